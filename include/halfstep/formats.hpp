@@ -1,0 +1,61 @@
+// halfstep: the number formats of gradients, model copies and master weights, and exact
+// round-to-nearest-even conversions into and out of the 16-bit ones.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace halfstep {
+
+/// Element format of a buffer.
+enum class DType : std::uint8_t { f16, bf16, f32 };
+
+/// The range and precision of a format (IEEE 754 binary16, bfloat16, binary32).
+struct FormatInfo {
+  float max;             ///< largest finite value
+  float min_normal;      ///< smallest positive normal value
+  float min_subnormal;   ///< smallest positive subnormal value
+  float unit_roundoff;   ///< half the distance from 1 to the next value: 2^-significand_bits
+  int significand_bits;  ///< precision, counting the implicit leading bit
+};
+
+/// Range and precision of `dtype`.
+constexpr FormatInfo format_info(DType dtype) {
+  switch (dtype) {
+    case DType::f16:
+      return {65504.0f, 0x1p-14f, 0x1p-24f, 0x1p-11f, 11};
+    case DType::bf16:
+      return {0x1.fep127f, 0x1p-126f, 0x1p-133f, 0x1p-8f, 8};
+    case DType::f32:
+    default:
+      return {0x1.fffffep127f, 0x1p-126f, 0x1p-149f, 0x1p-24f, 24};
+  }
+}
+
+/// Bytes per element of `dtype`.
+constexpr std::size_t element_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
+
+/// "f16", "bf16" or "f32".
+const char* dtype_name(DType dtype);
+
+/// The binary16 value nearest to `x`, ties to even; NaN stays NaN (sign kept), ±inf and -0 are
+/// kept, and magnitudes from 65520 up round to infinity.
+std::uint16_t to_f16_bits(double x);
+/// The exact value of a binary16 bit pattern.
+double from_f16_bits(std::uint16_t bits);
+/// The bfloat16 value nearest to `x`, ties to even, with the same special-value rules.
+std::uint16_t to_bf16_bits(double x);
+/// The exact value of a bfloat16 bit pattern.
+double from_bf16_bits(std::uint16_t bits);
+
+/// Bits of the 16-bit format `dtype` (f16 or bf16) nearest to `x`.
+std::uint16_t to_bits16(DType dtype, double x);
+/// Exact value of the 16-bit pattern `bits` in format `dtype` (f16 or bf16).
+double from_bits16(DType dtype, std::uint16_t bits);
+
+/// How a 16-bit pattern classifies, read from its exponent field.
+enum class BitClass : std::uint8_t { zero, subnormal, normal, infinite, nan };
+/// Class of the 16-bit pattern `bits` in format `dtype` (f16 or bf16).
+BitClass classify_bits16(DType dtype, std::uint16_t bits);
+
+}  // namespace halfstep

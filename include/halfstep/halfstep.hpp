@@ -1,0 +1,11 @@
+// halfstep: everything, for users who want one include.
+#pragma once
+
+#include "halfstep/checkpoint.hpp"
+#include "halfstep/config.hpp"
+#include "halfstep/error.hpp"
+#include "halfstep/formats.hpp"
+#include "halfstep/reference.hpp"
+#include "halfstep/scaler.hpp"
+#include "halfstep/spike.hpp"
+#include "halfstep/step.hpp"

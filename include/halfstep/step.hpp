@@ -1,0 +1,101 @@
+// halfstep: what one optimizer step works on and what it reports.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "halfstep/formats.hpp"
+#include "halfstep/scaler.hpp"
+#include "halfstep/spike.hpp"
+
+namespace halfstep {
+
+/// Hyperparameters of one parameter group (PyTorch's AdamW/Adam formula, see DESIGN.md).
+struct AdamWConfig {
+  float lr = 1e-3f;                    ///< learning rate; finite and >= 0
+  float beta1 = 0.9f;                  ///< first-moment decay; in [0, 1)
+  float beta2 = 0.999f;                ///< second-moment decay; in [0, 1)
+  float eps = 1e-8f;                   ///< denominator guard; finite and > 0
+  float weight_decay = 0.0f;           ///< finite and >= 0
+  bool decoupled_weight_decay = true;  ///< AdamW (p *= 1 - lr*wd); false: Adam + L2 (g += wd*p)
+  bool bias_correction = true;         ///< divide the moments by 1 - beta^t
+
+  /// Throws halfstep::Error naming the first field that breaks its rule.
+  void validate() const;
+};
+
+/// One parameter tensor: device pointers for Backend::cuda, host pointers for Backend::reference.
+struct ParamTensor {
+  float* master = nullptr;      ///< fp32 master weights, updated in place
+  const void* grad = nullptr;   ///< scaled gradients in StepConfig::grad_dtype
+  float* exp_avg = nullptr;     ///< fp32 first moment
+  float* exp_avg_sq = nullptr;  ///< fp32 second moment
+  void* model = nullptr;        ///< reduced-precision copy in StepConfig::model_dtype; may be null
+  std::int64_t numel = 0;       ///< elements; >= 0 (zero-length tensors are allowed)
+  std::int32_t group = 0;       ///< index into StepConfig::groups
+};
+
+/// Everything that shapes a step.
+struct StepConfig {
+  DType grad_dtype = DType::f16;            ///< f16 or bf16
+  DType model_dtype = DType::f16;           ///< f16 or bf16 (tensors with a null model skip it)
+  std::vector<AdamWConfig> groups = std::vector<AdamWConfig>(1);  ///< at least one
+  float max_grad_norm = 0.0f;               ///< clip the unscaled global norm to this; 0: no clip
+  ScalerConfig scaler;                      ///< loss-scale rules
+  SpikeConfig spike;                        ///< spike detection, off by default
+  bool host_driven = false;                 ///< decide on the host (one sync per step)
+
+  /// Throws halfstep::Error naming the first field that breaks its rule.
+  void validate() const;
+};
+
+/// Validates `config` and every tensor against it: group index in range, numel >= 0, non-null
+/// and element-aligned pointers where numel > 0, no two buffers of the step overlapping.
+/// Throws halfstep::Error naming the tensor, the field and the rule.
+void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config);
+
+/// What a step did.
+enum class Outcome : std::uint8_t { applied, skipped_overflow, skipped_spike };
+
+/// "applied", "skipped_overflow" or "skipped_spike".
+const char* outcome_name(Outcome outcome);
+
+/// Everything a step measured and decided.
+struct StepReport {
+  std::int64_t attempt;                ///< calls so far, this one included
+  std::int64_t step;                   ///< applied steps so far, this one included (the Adam t)
+  Outcome outcome;                     ///< what the step did
+  bool spike;                          ///< the norm was flagged as a spike (logged or skipped)
+  float scale_used;                    ///< loss scale the gradients were computed with
+  float scale_next;                    ///< loss scale for the next step
+  double grad_norm;                    ///< unscaled global norm before clipping; NaN on overflow
+  float clip_coef;                     ///< factor applied to the gradients (1: none); NaN on overflow
+  std::int64_t nonfinite_count;        ///< inf and NaN elements over all tensors
+  std::int32_t first_nonfinite_tensor; ///< index of the first tensor with one; -1 if none
+  float max_abs_scaled;                ///< largest finite |gradient| as stored (scaled)
+  float headroom_log2;                 ///< log2(format max / max_abs_scaled); +inf if all zero
+  std::int64_t subnormal_count;        ///< gradient elements stored as subnormals
+  std::int64_t zero_count;             ///< gradient elements stored as ±0
+  std::int64_t numel;                  ///< gradient elements in the step
+};
+
+/// The optimizer's own state (the parameters and moments live in the user's buffers).
+/// Checkpointable with encode_state / decode_state.
+struct OptimizerState {
+  ScalerState scaler;         ///< loss scaler
+  SpikeState spike;           ///< spike detector
+  std::int64_t step = 0;      ///< applied steps (the Adam t)
+  std::int64_t attempts = 0;  ///< steps tried, applied or skipped
+
+  /// The state before the first step of a run with `config`.
+  static OptimizerState initial(const StepConfig& config);
+};
+
+/// Equality of every field, floating-point fields compared bitwise.
+bool operator==(const OptimizerState& a, const OptimizerState& b);
+inline bool operator!=(const OptimizerState& a, const OptimizerState& b) { return !(a == b); }
+
+/// Throws halfstep::Error if `state` could not have come from a run with `config`.
+void validate_state(const OptimizerState& state, const StepConfig& config);
+
+}  // namespace halfstep

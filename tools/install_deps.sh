@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs the Debian packages halfstep builds and tests with, if any are missing. Idempotent and
+# non-interactive; the CUDA toolkit itself is assumed (nvcc, CUB, cuBLAS).
+set -euo pipefail
+packages=(cmake ninja-build g++ catch2 libbenchmark-dev libopenblas-dev pkg-config
+          python3 python3-numpy python3-matplotlib)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  echo "installing: ${missing[*]}"
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "nvcc not found: install the CUDA toolkit (nvcc, CUB, cuBLAS) first" >&2
+  exit 1
+fi
