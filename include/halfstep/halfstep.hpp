@@ -9,3 +9,4 @@
 #include "halfstep/scaler.hpp"
 #include "halfstep/spike.hpp"
 #include "halfstep/step.hpp"
+#include "halfstep/fused_adamw.hpp"

@@ -1,0 +1,100 @@
+// halfstep: the fused optimizer step. Two passes over memory per step — check and norm, then
+// unscale, clip, AdamW and the model copy — with the loss-scale decision made on the device in
+// between (or on the host, in host-driven mode).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "halfstep/step.hpp"
+
+struct CUstream_st;
+
+namespace halfstep {
+
+/// A CUDA stream (the same type as cudaStream_t); null is the default stream.
+using Stream = CUstream_st*;
+
+/// Where a FusedAdamW runs.
+enum class Backend {
+  cuda,       ///< the fused kernels; ParamTensor pointers are device memory of the current device
+  reference,  ///< reference::step on host memory, for machines without a GPU
+};
+
+/// The fused step over a fixed set of parameter tensors.
+///
+/// Setup (the constructor) validates everything, builds the table of tensors and chunks in
+/// device memory once and allocates all workspace. In device-resident mode (the default) step()
+/// then never allocates and never waits for the device, so it can be captured in a CUDA graph.
+class FusedAdamW {
+ public:
+  /// Validates `tensors` and `config` (throws halfstep::Error naming the argument and the rule)
+  /// and prepares the step. For Backend::cuda every non-null buffer must be device memory of the
+  /// current device, and no two buffers may overlap.
+  FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+             Backend backend = Backend::cuda);
+  ~FusedAdamW();
+  FusedAdamW(FusedAdamW&&) noexcept;
+  FusedAdamW& operator=(FusedAdamW&&) noexcept;
+  FusedAdamW(const FusedAdamW&) = delete;
+  FusedAdamW& operator=(const FusedAdamW&) = delete;
+
+  /// Enqueues one step on `stream`. Device-resident: never blocks. Host-driven: waits once for
+  /// pass 1's verdict, runs DynamicLossScaler on the host and launches pass 2 only to apply.
+  /// Backend::reference runs the step at once on the host and ignores `stream`.
+  void step(Stream stream = nullptr);
+
+  /// The last step's report; waits for that step only. Throws if no step has run.
+  StepReport last_report();
+
+  /// Inf and NaN counts of the last step's gradients, one per tensor; waits for that step.
+  std::vector<std::int64_t> nonfinite_counts();
+
+  /// Sets the learning rate of `group` for the following steps, ordered on `stream` (a tiny
+  /// kernel, so it can sit between graph replays without a host synchronisation).
+  void set_lr(std::int32_t group, float lr, Stream stream = nullptr);
+
+  /// Device memory holding the learning rate of `group` (fp32), for schedules computed on the
+  /// device. Backend::reference: host memory.
+  float* device_lr(std::int32_t group);
+
+  /// Device memory holding the loss scale for the next backward pass (fp32). The step updates
+  /// it in stream order. Backend::reference: host memory.
+  const float* device_loss_scale() const;
+
+  /// The loss scale for the next step; waits for the last step.
+  float loss_scale();
+
+  /// The optimizer state (scaler, spike detector, step counters); waits for the last step.
+  OptimizerState state();
+
+  /// The versioned checkpoint of the optimizer state (encode_state); waits for the last step.
+  std::string save_state();
+
+  /// Restores a checkpoint from save_state of either backend. Corrupt input, or a state that does
+  /// not fit this config, throws halfstep::Error and leaves the state unchanged.
+  void load_state(std::string_view bytes);
+
+  /// The configuration this step was built with (learning rates as set by set_lr on the host).
+  const StepConfig& config() const;
+
+  /// The backend it runs on.
+  Backend backend() const;
+
+  /// Number of chunks in the tensor table (one thread block each per pass).
+  std::int64_t chunk_count() const;
+
+  /// Kernel launches one step enqueues (device-resident mode).
+  int launches_per_step() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+  Backend backend_ = Backend::cuda;
+};
+
+}  // namespace halfstep

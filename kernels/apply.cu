@@ -1,0 +1,105 @@
+// Pass 2 of the step: unscale, clip and AdamW on the fp32 masters and moments, and the model copy
+// in its 16-bit format. Every block reads finalize's decision first and returns at once on a
+// skipped step, so a skipped step writes nothing anywhere.
+#include "cuda_check.hpp"
+#include "gradient.cuh"
+#include "launch.hpp"
+#include "step_math.hpp"
+
+namespace halfstep::detail {
+namespace {
+
+// Eight consecutive floats through two 16-byte accesses, held in registers.
+__device__ inline void load8(const float* src, float (&dst)[kVecElems]) {
+  const float4 a = *reinterpret_cast<const float4*>(src);
+  const float4 b = *reinterpret_cast<const float4*>(src + 4);
+  dst[0] = a.x; dst[1] = a.y; dst[2] = a.z; dst[3] = a.w;
+  dst[4] = b.x; dst[5] = b.y; dst[6] = b.z; dst[7] = b.w;
+}
+__device__ inline void store8(float* dst, const float (&src)[kVecElems]) {
+  *reinterpret_cast<float4*>(dst) = make_float4(src[0], src[1], src[2], src[3]);
+  *reinterpret_cast<float4*>(dst + 4) = make_float4(src[4], src[5], src[6], src[7]);
+}
+
+template <DType kGrad, DType kModel>
+__global__ void __launch_bounds__(kPassThreads)
+    apply_kernel(const TensorDesc* __restrict__ tensors, const ChunkDesc* __restrict__ chunks,
+                 const Decision* __restrict__ decision, const GroupConsts* __restrict__ consts) {
+  if (decision->apply == 0) return;
+  const float coef = decision->coef;  // clip / S
+  const ChunkDesc chunk = chunks[blockIdx.x];
+  const TensorDesc tensor = tensors[chunk.tensor];
+  const GroupConsts k = consts[tensor.group];
+  using G = Format16<kGrad>;
+  using M = Format16<kModel>;
+
+  const auto* grad = static_cast<const std::uint16_t*>(tensor.grad) + chunk.begin;
+  float* master = tensor.master + chunk.begin;
+  float* exp_avg = tensor.exp_avg + chunk.begin;
+  float* exp_avg_sq = tensor.exp_avg_sq + chunk.begin;
+  auto* model = tensor.model ? static_cast<std::uint16_t*>(tensor.model) + chunk.begin : nullptr;
+
+  int done = 0;
+  if (tensor.all_vec) {  // 8 elements per thread: 16-byte accesses to all five buffers
+    const int n_vec = chunk.len / kVecElems;
+    for (int i = static_cast<int>(threadIdx.x); i < n_vec; i += kPassThreads) {
+      const std::int64_t at = static_cast<std::int64_t>(i) * kVecElems;
+      std::uint16_t g_bits[kVecElems];
+      unpack8(*reinterpret_cast<const uint4*>(grad + at), g_bits);
+      float p[kVecElems], m[kVecElems], v[kVecElems];
+      load8(master + at, p);
+      load8(exp_avg + at, m);
+      load8(exp_avg_sq + at, v);
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) {
+        adamw_update(p[j], m[j], v[j], G::to_float(g_bits[j]) * coef, k);
+      }
+      store8(master + at, p);
+      store8(exp_avg + at, m);
+      store8(exp_avg_sq + at, v);
+      if (model != nullptr) {  // the model copy is the new fp32 master, rounded once
+        std::uint16_t out[kVecElems];
+#pragma unroll
+        for (int j = 0; j < kVecElems; ++j) out[j] = M::from_float(p[j]);
+        *reinterpret_cast<uint4*>(model + at) = pack8(out);
+      }
+    }
+    done = n_vec * kVecElems;
+  }
+  for (int i = done + static_cast<int>(threadIdx.x); i < chunk.len; i += kPassThreads) {
+    float p = master[i], m = exp_avg[i], v = exp_avg_sq[i];
+    adamw_update(p, m, v, G::to_float(grad[i]) * coef, k);
+    master[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if (model != nullptr) model[i] = M::from_float(p);
+  }
+}
+
+template <DType kGrad>
+void launch_for_grad(DType model_dtype, dim3 grid, const TensorDesc* tensors,
+                     const ChunkDesc* chunks, const Decision* decision, const GroupConsts* consts,
+                     cudaStream_t stream) {
+  if (model_dtype == DType::bf16) {
+    apply_kernel<kGrad, DType::bf16><<<grid, kPassThreads, 0, stream>>>(tensors, chunks, decision, consts);
+  } else {
+    apply_kernel<kGrad, DType::f16><<<grid, kPassThreads, 0, stream>>>(tensors, chunks, decision, consts);
+  }
+}
+
+}  // namespace
+
+void launch_apply(DType grad_dtype, DType model_dtype, const TensorDesc* tensors,
+                  const ChunkDesc* chunks, std::int64_t n_chunks, const Decision* decision,
+                  const GroupConsts* consts, cudaStream_t stream) {
+  if (n_chunks == 0) return;
+  const dim3 grid(static_cast<unsigned>(n_chunks));
+  if (grad_dtype == DType::bf16) {
+    launch_for_grad<DType::bf16>(model_dtype, grid, tensors, chunks, decision, consts, stream);
+  } else {
+    launch_for_grad<DType::f16>(model_dtype, grid, tensors, chunks, decision, consts, stream);
+  }
+  HALFSTEP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace halfstep::detail

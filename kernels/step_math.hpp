@@ -1,0 +1,98 @@
+// Internal: the scalar math of the fused step, host-and-device so that host tests can check it
+// against the CPU reference. decide() is what the finalize kernel runs after reducing the
+// partials; adamw_update() is what every thread of pass 2 runs per element.
+#pragma once
+
+#include <math.h>
+
+#include <cstdint>
+
+#include "halfstep/config.hpp"
+#include "step_types.hpp"
+
+namespace halfstep::detail {
+
+/// Turns one step's totals into the outcome, the report, the decision for pass 2 and the next
+/// state. `report` must come in with scale_used unset; everything it holds is written here.
+HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const DecideParams& p,
+                               StepReport& report, Decision& decision) {
+  const float scale = state.scaler.scale;
+  state.attempts += 1;
+  report.attempt = state.attempts;
+  report.scale_used = scale;
+  report.spike = false;
+  report.nonfinite_count = totals.nonfinite;
+  report.first_nonfinite_tensor = totals.first_nonfinite_tensor;
+  report.max_abs_scaled = totals.max_abs;
+  report.headroom_log2 = totals.max_abs > 0.0f
+                             ? static_cast<float>(::log2(static_cast<double>(p.grad_format_max) /
+                                                         static_cast<double>(totals.max_abs)))
+                             : HUGE_VALF;
+  report.subnormal_count = totals.subnormal;
+  report.zero_count = totals.zero;
+  report.numel = p.numel;
+  decision.apply = 0;
+  decision.coef = 0.0f;
+
+  if (totals.nonfinite > 0) {  // overflow: nothing may be written; the scaler backs off
+    if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, true);
+    report.outcome = Outcome::skipped_overflow;
+    report.grad_norm = NAN;
+    report.clip_coef = NAN;
+  } else {
+    // The norm of the unscaled gradient, from the same read that checked it.
+    const double norm = ::sqrt(totals.sum_sq) / static_cast<double>(scale);
+    const SpikeVerdict verdict = observe_norm(state.spike, p.spike, norm);
+    state.spike = verdict.next;
+    double clip = 1.0;
+    if (p.max_grad_norm > 0.0f) {
+      clip = static_cast<double>(p.max_grad_norm) / (norm + 1e-6);
+      if (clip > 1.0) clip = 1.0;
+    }
+    report.grad_norm = norm;
+    report.clip_coef = static_cast<float>(clip);
+    report.spike = verdict.spike;
+    if (verdict.spike && p.spike.action == SpikeConfig::Action::skip) {
+      report.outcome = Outcome::skipped_spike;  // the scale stays, nothing advances
+    } else {
+      state.step += 1;
+      if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, false);
+      report.outcome = Outcome::applied;
+      decision.apply = 1;
+      decision.coef = static_cast<float>(clip / static_cast<double>(scale));
+    }
+  }
+  report.step = state.step;
+  report.scale_next = state.scaler.scale;
+}
+
+/// The constants of a group for applied step `t` (>= 1), in double, rounded once to fp32.
+HALFSTEP_HD inline GroupConsts group_consts(const GroupParams& g, float lr, std::int64_t t) {
+  const double beta1 = g.beta1, beta2 = g.beta2, td = static_cast<double>(t);
+  const double bc1 = g.bias_correction ? 1.0 - ::pow(beta1, td) : 1.0;
+  const double bc2 = g.bias_correction ? 1.0 - ::pow(beta2, td) : 1.0;
+  GroupConsts k{};
+  k.step_size = static_cast<float>(static_cast<double>(lr) / bc1);
+  k.sqrt_bc2 = static_cast<float>(::sqrt(bc2));
+  k.decay = g.decoupled ? static_cast<float>(1.0 - static_cast<double>(lr) * g.weight_decay) : 1.0f;
+  k.l2 = g.decoupled ? 0.0f : g.weight_decay;
+  k.classic = g.decoupled ? 0 : 1;
+  k.beta1 = g.beta1;
+  k.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  k.beta2 = g.beta2;
+  k.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  k.eps = g.eps;
+  return k;
+}
+
+/// AdamW on one element in fp32: `g` is the unscaled, clipped gradient.
+HALFSTEP_HD inline void adamw_update(float& p, float& m, float& v, float g, const GroupConsts& k) {
+  if (k.classic) g = g + k.l2 * p;      // classic L2: the decay joins the gradient
+  p = p * k.decay;                      // decoupled decay shrinks the weight (decay is 1 otherwise)
+  m = k.beta1 * m + k.one_minus_beta1 * g;          // first moment
+  v = k.beta2 * v + k.one_minus_beta2 * (g * g);    // second moment
+  const float denom = sqrtf(v) / k.sqrt_bc2 + k.eps;
+  p = p - k.step_size * (m / denom);
+}
+
+}  // namespace halfstep::detail

@@ -1,0 +1,105 @@
+// Internal: the plain data shared by the host orchestration (src/fused_adamw.cpp) and the
+// kernels. Built once at setup in device memory; the kernels receive pointers to it.
+#pragma once
+
+#include <cstdint>
+
+#include "halfstep/scaler.hpp"
+#include "halfstep/spike.hpp"
+#include "halfstep/step.hpp"
+
+namespace halfstep::detail {
+
+/// Elements per chunk: the unit of work of one thread block in both passes. A multiple of the
+/// 8-element vector width, so every chunk of an aligned tensor starts 16-byte aligned.
+inline constexpr std::int64_t kChunkElems = 32768;
+/// Threads per block of pass 1 and pass 2.
+inline constexpr int kPassThreads = 256;
+/// Threads of the single finalize block.
+inline constexpr int kFinalizeThreads = 512;
+/// Elements per vector access: 16 bytes of 16-bit gradients.
+inline constexpr int kVecElems = 8;
+
+/// One row of the tensor table.
+struct TensorDesc {
+  float* master;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* model;             // null: no model copy for this tensor
+  std::int64_t numel;
+  std::int32_t group;
+  std::uint8_t grad_vec;   // grad is 16-byte aligned: pass 1 may use vector loads
+  std::uint8_t all_vec;    // every buffer is 16-byte aligned: pass 2 may use vector accesses
+  std::uint8_t pad_[2];
+};
+
+/// One chunk: elements [begin, begin + len) of tensor `tensor`. Chunks are ordered by tensor.
+struct ChunkDesc {
+  std::int64_t begin;
+  std::int32_t tensor;
+  std::int32_t len;
+};
+
+/// What pass 1 measured on one chunk.
+struct ChunkPartial {
+  double sum_sq;            // Σ g² of the finite scaled gradients
+  float max_abs;            // max |g| of the finite scaled gradients
+  std::uint32_t nonfinite;  // inf and NaN elements
+  std::uint32_t subnormal;  // elements stored as subnormals
+  std::uint32_t zero;       // elements stored as ±0
+};
+
+/// The hyperparameters of a group that do not change during a run (lr lives apart, in device
+/// memory that set_lr writes).
+struct GroupParams {
+  float beta1, beta2, eps, weight_decay;
+  std::uint8_t decoupled, bias_correction;
+  std::uint8_t pad_[2];
+};
+
+/// Per-step constants of a group, computed by finalize from the applied-step counter.
+struct GroupConsts {
+  float step_size;        // lr / (1 - beta1^t)
+  float sqrt_bc2;         // sqrt(1 - beta2^t)
+  float decay;            // 1 - lr·wd for decoupled decay, else 1
+  float l2;               // wd for classic L2 decay, else 0
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  std::uint8_t classic;   // classic (L2) weight decay: g += wd·p
+  std::uint8_t pad_[3];
+};
+
+/// The optimizer state as it lives on the device. `scaler.scale` is the loss scale the
+/// backward pass reads (FusedAdamW::device_loss_scale).
+struct DeviceState {
+  ScalerState scaler;
+  SpikeState spike;
+  std::int64_t step;
+  std::int64_t attempts;
+};
+
+/// Finalize's verdict, read by every block of pass 2.
+struct Decision {
+  std::int32_t apply;  // 1: pass 2 updates; 0: it returns at once
+  float coef;          // clip / S: unscales and clips in one multiply
+};
+
+/// The sums over all chunks that the decision needs.
+struct Totals {
+  double sum_sq = 0.0;                  // Σ g² of the scaled gradient
+  float max_abs = 0.0f;                 // of the finite scaled gradients
+  std::int64_t nonfinite = 0, subnormal = 0, zero = 0;
+  std::int32_t first_nonfinite_tensor = -1;
+};
+
+/// Everything the decision reads besides the totals and the state.
+struct DecideParams {
+  ScalerConfig scaler;
+  SpikeConfig spike;
+  float max_grad_norm;
+  float grad_format_max;  // largest finite value of the gradient format
+  std::int64_t numel;     // elements over all tensors
+  bool device_scaler;     // run the scaler transition here (device-resident mode)
+};
+
+}  // namespace halfstep::detail

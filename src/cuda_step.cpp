@@ -1,0 +1,336 @@
+// The CUDA backend of FusedAdamW: setup (validation, the tensor table, the workspace) and the
+// orchestration of one step — pass 1, finalize, pass 2 and the asynchronous report copy.
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <utility>
+
+#include "check.hpp"
+#include "cuda_check.hpp"
+#include "fused_impl.hpp"
+#include "halfstep/checkpoint.hpp"
+#include "launch.hpp"
+#include "tensor_table.hpp"
+
+namespace halfstep::detail {
+namespace {
+
+// Owners of CUDA resources; release never throws.
+struct DeviceMemory {
+  void* ptr = nullptr;
+  DeviceMemory() = default;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory() { if (ptr) cudaFree(ptr); }
+};
+struct PinnedMemory {
+  void* ptr = nullptr;
+  PinnedMemory() = default;
+  PinnedMemory(const PinnedMemory&) = delete;
+  PinnedMemory& operator=(const PinnedMemory&) = delete;
+  ~PinnedMemory() { if (ptr) cudaFreeHost(ptr); }
+};
+struct Event {
+  cudaEvent_t event = nullptr;
+  Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() { if (event) cudaEventDestroy(event); }
+};
+
+// Carves one allocation into 256-byte-aligned pieces.
+class Layout {
+ public:
+  template <class T>
+  std::size_t add(std::size_t count) {
+    const std::size_t at = bytes_;
+    bytes_ += (count * sizeof(T) + 255) / 256 * 256;
+    return at;
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  std::size_t bytes_ = 0;
+};
+
+void require_device_buffer(const void* ptr, std::int64_t numel, std::size_t t, const char* field,
+                           int device) {
+  if (ptr == nullptr || numel == 0) return;
+  cudaPointerAttributes attr{};
+  const cudaError_t status = cudaPointerGetAttributes(&attr, ptr);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it so later calls do not report it
+    throw Error(ErrorKind::invalid_argument,
+                concat("tensors[", t, "].", field, " is not memory CUDA knows (", ptr, "): ",
+                       cudaGetErrorString(status)));
+  }
+  require(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, "tensors[", t,
+          "].", field, " must be device memory for Backend::cuda, got ",
+          attr.type == cudaMemoryTypeHost ? "pinned host memory" : "host memory", " at ", ptr);
+  require(attr.device == device, "tensors[", t, "].", field, " lives on device ", attr.device,
+          " but the current device is ", device);
+}
+
+class CudaImpl final : public FusedAdamW::Impl {
+ public:
+  CudaImpl(const std::vector<ParamTensor>& tensors, const StepConfig& config) : config_(config) {
+    validate(tensors, config_);
+    int devices = 0;
+    const cudaError_t status = cudaGetDeviceCount(&devices);
+    if (status != cudaSuccess || devices == 0) {
+      (void)cudaGetLastError();
+      throw Error(ErrorKind::cuda, concat("Backend::cuda needs a CUDA device; cudaGetDeviceCount: ",
+                                          status == cudaSuccess ? "no devices"
+                                                                : cudaGetErrorString(status),
+                                          " (Backend::reference runs without one)"));
+    }
+    HALFSTEP_CUDA_CHECK(cudaGetDevice(&device_));
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      const ParamTensor& p = tensors[t];
+      require_device_buffer(p.master, p.numel, t, "master", device_);
+      require_device_buffer(p.grad, p.numel, t, "grad", device_);
+      require_device_buffer(p.exp_avg, p.numel, t, "exp_avg", device_);
+      require_device_buffer(p.exp_avg_sq, p.numel, t, "exp_avg_sq", device_);
+      require_device_buffer(p.model, p.numel, t, "model", device_);
+    }
+    if (config_.host_driven) scaler_ = DynamicLossScaler(config_.scaler);
+
+    const TensorTable table = build_tensor_table(tensors);
+    n_tensors_ = table.tensors.size();
+    n_chunks_ = static_cast<std::int64_t>(table.chunks.size());
+    chunk_tensor_ = table.chunks;
+    const std::size_t n_groups = config_.groups.size();
+
+    // One device allocation for everything the step reads and writes besides the tensors.
+    Layout layout;
+    const std::size_t at_tensors = layout.add<TensorDesc>(n_tensors_);
+    const std::size_t at_chunks = layout.add<ChunkDesc>(table.chunks.size());
+    const std::size_t at_partials = layout.add<ChunkPartial>(table.chunks.size());
+    const std::size_t at_state = layout.add<DeviceState>(1);
+    const std::size_t at_report = layout.add<StepReport>(1);
+    const std::size_t at_decision = layout.add<Decision>(1);
+    const std::size_t at_params = layout.add<GroupParams>(n_groups);
+    const std::size_t at_lr = layout.add<float>(n_groups);
+    const std::size_t at_consts = layout.add<GroupConsts>(n_groups);
+    HALFSTEP_CUDA_CHECK(cudaMalloc(&workspace_.ptr, layout.bytes()));
+    HALFSTEP_CUDA_CHECK(cudaMemset(workspace_.ptr, 0, layout.bytes()));
+    auto* base = static_cast<unsigned char*>(workspace_.ptr);
+    d_tensors_ = reinterpret_cast<TensorDesc*>(base + at_tensors);
+    d_chunks_ = reinterpret_cast<ChunkDesc*>(base + at_chunks);
+    d_partials_ = reinterpret_cast<ChunkPartial*>(base + at_partials);
+    d_state_ = reinterpret_cast<DeviceState*>(base + at_state);
+    d_report_ = reinterpret_cast<StepReport*>(base + at_report);
+    d_decision_ = reinterpret_cast<Decision*>(base + at_decision);
+    d_params_ = reinterpret_cast<GroupParams*>(base + at_params);
+    d_lr_ = reinterpret_cast<float*>(base + at_lr);
+    d_consts_ = reinterpret_cast<GroupConsts*>(base + at_consts);
+
+    std::vector<GroupParams> params(n_groups);
+    std::vector<float> lr(n_groups);
+    for (std::size_t g = 0; g < n_groups; ++g) {
+      const AdamWConfig& h = config_.groups[g];
+      params[g] = GroupParams{h.beta1, h.beta2, h.eps, h.weight_decay,
+                              static_cast<std::uint8_t>(h.decoupled_weight_decay ? 1 : 0),
+                              static_cast<std::uint8_t>(h.bias_correction ? 1 : 0), {0, 0}};
+      lr[g] = h.lr;
+    }
+    upload(d_tensors_, table.tensors.data(), n_tensors_);
+    upload(d_chunks_, table.chunks.data(), table.chunks.size());
+    upload(d_params_, params.data(), n_groups);
+    upload(d_lr_, lr.data(), n_groups);
+    write_state(OptimizerState::initial(config_));
+
+    HALFSTEP_CUDA_CHECK(cudaMallocHost(&pinned_.ptr, sizeof(StepReport) + sizeof(ScalerState)));
+    h_report_ = static_cast<StepReport*>(pinned_.ptr);
+    h_scaler_ = reinterpret_cast<ScalerState*>(static_cast<unsigned char*>(pinned_.ptr) +
+                                               sizeof(StepReport));
+    HALFSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&done_.event, cudaEventDisableTiming));
+
+    finalize_.partials = d_partials_;
+    finalize_.chunks = d_chunks_;
+    finalize_.n_chunks = n_chunks_;
+    finalize_.state = d_state_;
+    finalize_.report = d_report_;
+    finalize_.decision = d_decision_;
+    finalize_.params = d_params_;
+    finalize_.lr = d_lr_;
+    finalize_.consts = d_consts_;
+    finalize_.n_groups = static_cast<std::int32_t>(n_groups);
+    finalize_.decide.scaler = config_.scaler;
+    finalize_.decide.spike = config_.spike;
+    finalize_.decide.max_grad_norm = config_.max_grad_norm;
+    finalize_.decide.grad_format_max = format_info(config_.grad_dtype).max;
+    finalize_.decide.numel = table.numel;
+    finalize_.decide.device_scaler = !config_.host_driven;
+  }
+
+  void step(Stream stream) override {
+    int current = -1;
+    HALFSTEP_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device_) {
+      throw Error(ErrorKind::usage, concat("step: this FusedAdamW lives on device ", device_,
+                                           " but the current device is ", current));
+    }
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    HALFSTEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    if (config_.host_driven && capturing) {
+      throw Error(ErrorKind::usage,
+                  "step: a host-driven step waits for the device and cannot be captured in a "
+                  "CUDA graph (use the default device-resident mode)");
+    }
+
+    launch_check_and_norm(config_.grad_dtype, d_tensors_, d_chunks_, n_chunks_, d_partials_, stream);
+    launch_finalize(finalize_, stream);
+    if (!config_.host_driven) {
+      launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
+                   d_decision_, d_consts_, stream);
+      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
+                                          cudaMemcpyDeviceToHost, stream));
+      record_done(stream, capturing);
+      has_step_ = true;
+      return;
+    }
+
+    // Host-driven: one synchronisation for pass 1's verdict, the scaler on the host, then pass 2
+    // only when the step is applied.
+    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
+                                        cudaMemcpyDeviceToHost, stream));
+    record_done(stream, false);
+    HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
+    StepReport report = *h_report_;
+    if (report.outcome != Outcome::skipped_spike) {
+      scaler_.update(report.outcome == Outcome::skipped_overflow);
+    }
+    *h_scaler_ = scaler_.state();  // the device's copy feeds the next backward pass
+    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(&d_state_->scaler, h_scaler_, sizeof(ScalerState),
+                                        cudaMemcpyHostToDevice, stream));
+    if (report.outcome == Outcome::applied) {
+      launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
+                   d_decision_, d_consts_, stream);
+    }
+    record_done(stream, false);
+    report.scale_next = scaler_.scale();
+    host_report_ = report;
+    has_step_ = true;
+  }
+
+  StepReport last_report() override {
+    if (!has_step_) throw Error(ErrorKind::usage, "last_report: no step has run yet");
+    if (config_.host_driven) return host_report_;
+    HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
+    return *h_report_;
+  }
+
+  std::vector<std::int64_t> nonfinite_counts() override {
+    if (!has_step_) throw Error(ErrorKind::usage, "nonfinite_counts: no step has run yet");
+    wait_last_step();
+    std::vector<ChunkPartial> partials(static_cast<std::size_t>(n_chunks_));
+    if (n_chunks_ > 0) {
+      HALFSTEP_CUDA_CHECK(cudaMemcpy(partials.data(), d_partials_,
+                                     partials.size() * sizeof(ChunkPartial),
+                                     cudaMemcpyDeviceToHost));
+    }
+    std::vector<std::uint32_t> counts(partials.size());
+    for (std::size_t c = 0; c < partials.size(); ++c) counts[c] = partials[c].nonfinite;
+    return per_tensor_counts(chunk_tensor_, counts, n_tensors_);
+  }
+
+  void set_lr(std::int32_t group, float lr, Stream stream) override {
+    check_lr(config_, group, lr);
+    launch_store(d_lr_ + group, lr, stream);
+    config_.groups[static_cast<std::size_t>(group)].lr = lr;
+  }
+
+  float* device_lr(std::int32_t group) override {
+    check_group(config_, group);
+    return d_lr_ + group;
+  }
+
+  const float* device_loss_scale() const override { return &d_state_->scaler.scale; }
+
+  OptimizerState state() override {
+    wait_last_step();
+    DeviceState d{};
+    HALFSTEP_CUDA_CHECK(cudaMemcpy(&d, d_state_, sizeof(d), cudaMemcpyDeviceToHost));
+    OptimizerState s;
+    s.scaler = d.scaler;
+    s.spike = d.spike;
+    s.step = d.step;
+    s.attempts = d.attempts;
+    return s;
+  }
+
+  void load_state(std::string_view bytes) override {
+    OptimizerState s = OptimizerState::initial(config_);
+    halfstep::load_state(s, bytes, config_);  // throws before anything changes
+    wait_last_step();
+    write_state(s);
+    if (config_.host_driven) scaler_.set_state(s.scaler);
+  }
+
+  const StepConfig& config() const override { return config_; }
+  std::int64_t chunk_count() const override { return n_chunks_; }
+  int launches_per_step() const override { return n_chunks_ > 0 ? 3 : 1; }
+
+ private:
+  template <class T>
+  void upload(T* dst, const T* src, std::size_t count) {
+    if (count == 0) return;
+    HALFSTEP_CUDA_CHECK(cudaMemcpy(dst, src, count * sizeof(T), cudaMemcpyHostToDevice));
+  }
+
+  void write_state(const OptimizerState& s) {
+    DeviceState d{};
+    d.scaler = s.scaler;
+    d.spike = s.spike;
+    d.step = s.step;
+    d.attempts = s.attempts;
+    upload(d_state_, &d, 1);
+  }
+
+  void record_done(Stream stream, bool capturing) {
+    if (capturing) {  // an event node in the graph: every replay records it
+      HALFSTEP_CUDA_CHECK(cudaEventRecordWithFlags(done_.event, stream, cudaEventRecordExternal));
+    } else {
+      HALFSTEP_CUDA_CHECK(cudaEventRecord(done_.event, stream));
+    }
+  }
+
+  void wait_last_step() {
+    if (has_step_) HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
+  }
+
+  StepConfig config_;
+  int device_ = -1;
+  std::size_t n_tensors_ = 0;
+  std::int64_t n_chunks_ = 0;
+  std::vector<ChunkDesc> chunk_tensor_;
+  DynamicLossScaler scaler_;
+  DeviceMemory workspace_;
+  PinnedMemory pinned_;
+  Event done_;
+  TensorDesc* d_tensors_ = nullptr;
+  ChunkDesc* d_chunks_ = nullptr;
+  ChunkPartial* d_partials_ = nullptr;
+  DeviceState* d_state_ = nullptr;
+  StepReport* d_report_ = nullptr;
+  Decision* d_decision_ = nullptr;
+  GroupParams* d_params_ = nullptr;
+  float* d_lr_ = nullptr;
+  GroupConsts* d_consts_ = nullptr;
+  StepReport* h_report_ = nullptr;
+  ScalerState* h_scaler_ = nullptr;
+  StepReport host_report_{};
+  FinalizeArgs finalize_{};
+  bool has_step_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<FusedAdamW::Impl> make_cuda_impl(const std::vector<ParamTensor>& tensors,
+                                                 const StepConfig& config) {
+  return std::make_unique<CudaImpl>(tensors, config);
+}
+
+}  // namespace halfstep::detail

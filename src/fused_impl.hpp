@@ -1,0 +1,38 @@
+// Internal: the two backends behind FusedAdamW.
+#pragma once
+
+#include <memory>
+
+#include "halfstep/fused_adamw.hpp"
+
+namespace halfstep {
+
+struct FusedAdamW::Impl {
+  virtual ~Impl() = default;
+  virtual void step(Stream stream) = 0;
+  virtual StepReport last_report() = 0;
+  virtual std::vector<std::int64_t> nonfinite_counts() = 0;
+  virtual void set_lr(std::int32_t group, float lr, Stream stream) = 0;
+  virtual float* device_lr(std::int32_t group) = 0;
+  virtual const float* device_loss_scale() const = 0;
+  virtual OptimizerState state() = 0;
+  virtual void load_state(std::string_view bytes) = 0;
+  virtual const StepConfig& config() const = 0;
+  virtual std::int64_t chunk_count() const = 0;
+  virtual int launches_per_step() const = 0;
+};
+
+namespace detail {
+
+std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTensor>& tensors,
+                                                      const StepConfig& config);
+std::unique_ptr<FusedAdamW::Impl> make_cuda_impl(const std::vector<ParamTensor>& tensors,
+                                                 const StepConfig& config);
+
+/// Throws unless `group` names a group of `config` and `lr` is finite and >= 0.
+void check_lr(const StepConfig& config, std::int32_t group, float lr);
+/// Throws unless `group` names a group of `config`.
+void check_group(const StepConfig& config, std::int32_t group);
+
+}  // namespace detail
+}  // namespace halfstep

@@ -1,0 +1,590 @@
+// The fused CUDA step against the CPU reference, on fresh seeded random inputs. Verdicts,
+// counters and scales compare exactly; norms, masters and moments within the bounds derived in
+// gpu_support.hpp and adam_bound.hpp.
+#include <catch2/catch.hpp>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <random>
+
+#include "gpu_support.hpp"
+#include "halfstep/checkpoint.hpp"
+#include "halfstep/error.hpp"
+
+using namespace halfstep;
+using namespace halfstep_test;
+
+namespace {
+
+constexpr std::int64_t kChunk = 32768;  // kChunkElems of the kernels
+
+HostModel random_model(std::uint64_t seed, const std::vector<std::int64_t>& sizes, float scale,
+                       DType grad, DType model, float sigma = 1e-2f) {
+  std::mt19937_64 rng(seed);
+  HostModel m;
+  for (std::int64_t n : sizes) m.tensors.push_back(random_tensor(rng, n, grad, model, scale, sigma));
+  for (auto& t : m.tensors) std::fill(t.model.begin(), t.model.end(), std::uint16_t{0x7FFF});  // poison
+  return m;
+}
+
+// One fused step and one reference step from the same inputs and state, compared.
+StepReport lockstep(FusedAdamW& opt, DeviceModel& dev, const HostModel& like,
+                    const StepConfig& config, OptimizerState* ref_state_out = nullptr) {
+  const HostModel before = dev.download(like);
+  OptimizerState ref_state = opt.state();
+  opt.step();
+  const StepReport got = opt.last_report();
+  HostModel ref = before;
+  const StepReport want = reference::step(ref.views(), config, ref_state);
+  check_step(got, want, before, dev.download(like), ref, config, ref_state.step);
+  const OptimizerState now = opt.state();
+  REQUIRE(now.scaler == ref_state.scaler);
+  REQUIRE(now.step == ref_state.step);
+  REQUIRE(now.attempts == ref_state.attempts);
+  REQUIRE(now.spike.seen == ref_state.spike.seen);
+  REQUIRE(now.spike.spikes == ref_state.spike.spikes);
+  if (ref_state_out) *ref_state_out = ref_state;
+  return got;
+}
+
+StepConfig config_for(DType grad, DType model, float scale, float max_norm) {
+  StepConfig c;
+  c.grad_dtype = grad;
+  c.model_dtype = model;
+  c.scaler.init_scale = scale;
+  c.max_grad_norm = max_norm;
+  c.groups[0].weight_decay = 0.01f;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("gpu step matches the reference at edge sizes for every dtype pair", "[gpu]") {
+  const std::vector<std::int64_t> sizes = {0, 1, 7, 33, kChunk - 1, kChunk, kChunk + 1, 1000003, 0};
+  std::uint64_t seed = 1000;
+  for (DType grad : {DType::f16, DType::bf16}) {
+    for (DType model : {DType::f16, DType::bf16}) {
+      for (float max_norm : {0.0f, 0.5f}) {
+        const float scale = grad == DType::f16 ? 1024.0f : 1.0f;
+        HostModel h = random_model(++seed, sizes, scale, grad, model);
+        h.tensors[3].with_model = false;  // a tensor without a model copy
+        DeviceModel dev(h);
+        const StepConfig c = config_for(grad, model, scale, max_norm);
+        FusedAdamW opt(dev.views(), c);
+        CAPTURE(seed, dtype_name(grad), dtype_name(model), max_norm);
+        REQUIRE(opt.launches_per_step() == 3);
+        const StepReport r = lockstep(opt, dev, h, c);
+        REQUIRE(r.outcome == Outcome::applied);
+        if (max_norm > 0.0f) REQUIRE(r.clip_coef < 1.0f);
+      }
+    }
+  }
+}
+
+TEST_CASE("gpu step matches the reference on seeded random sizes over several steps", "[gpu]") {
+  std::mt19937_64 rng(77);
+  std::uniform_int_distribution<std::int64_t> size(0, 3 * kChunk);
+  for (int trial = 0; trial < 6; ++trial) {
+    std::vector<std::int64_t> sizes;
+    for (int t = 0; t < 5; ++t) sizes.push_back(size(rng));
+    const std::uint64_t seed = rng();
+    const DType grad = trial % 2 ? DType::bf16 : DType::f16;
+    const float scale = grad == DType::f16 ? 4096.0f : 1.0f;
+    HostModel h = random_model(seed, sizes, scale, grad, DType::f16);
+    DeviceModel dev(h);
+    StepConfig c = config_for(grad, DType::f16, scale, trial % 3 ? 1.0f : 0.0f);
+    FusedAdamW opt(dev.views(), c);
+    std::mt19937_64 g(seed);
+    for (int step = 0; step < 4; ++step) {
+      for (auto& t : h.tensors) refill_grads(g, t, grad, opt.loss_scale());
+      dev.upload_grads(h);
+      CAPTURE(trial, seed, step);
+      lockstep(opt, dev, h, c);
+    }
+  }
+}
+
+TEST_CASE("gpu step handles 10000 tiny tensors in one step", "[gpu]") {
+  std::mt19937_64 rng(5);
+  std::uniform_int_distribution<std::int64_t> size(0, 20);
+  std::vector<std::int64_t> sizes(10000);
+  for (auto& n : sizes) n = size(rng);
+  HostModel h = random_model(6, sizes, 512.0f, DType::f16, DType::f16);
+  DeviceModel dev(h);
+  const StepConfig c = config_for(DType::f16, DType::f16, 512.0f, 1.0f);
+  FusedAdamW opt(dev.views(), c);
+  CHECK(opt.launches_per_step() == 3);
+  lockstep(opt, dev, h, c);
+  // An overflow in the last non-empty tensor is found and named.
+  HostModel bad = dev.download(h);
+  std::size_t last = 9999;
+  while (bad.tensors[last].grad.empty()) --last;
+  bad.tensors[last].grad.back() = 0x7C00;
+  dev.upload_grads(bad);
+  const StepReport r = lockstep(opt, dev, h, c);
+  CHECK(r.outcome == Outcome::skipped_overflow);
+  CHECK(r.first_nonfinite_tensor == static_cast<std::int32_t>(last));
+}
+
+TEST_CASE("gpu step takes the scalar path for pointers offset by 1 to 3 elements", "[gpu]") {
+  const std::vector<std::int64_t> sizes = {9, kChunk + 3, 1001};
+  for (DType grad : {DType::f16, DType::bf16}) {
+    HostModel h = random_model(8, sizes, 256.0f, grad, DType::bf16);
+    DeviceModel dev(h, /*misalign=*/true);
+    const StepConfig c = config_for(grad, DType::bf16, 256.0f, 0.3f);
+    FusedAdamW opt(dev.views(), c);
+    CAPTURE(dtype_name(grad));
+    for (int step = 0; step < 3; ++step) lockstep(opt, dev, h, c);
+  }
+}
+
+TEST_CASE("gpu step skips the whole step for inf or NaN anywhere and writes nothing", "[gpu]") {
+  const std::vector<std::int64_t> sizes = {kChunk + 5, 40, 3 * kChunk + 1};
+  const std::uint16_t specials[] = {0x7C00, 0xFC00, 0x7E00, 0x7C01};
+  for (std::size_t t : {std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
+    for (int where = 0; where < 3; ++where) {
+      for (std::uint16_t bad : specials) {
+        HostModel h = random_model(9, sizes, 2048.0f, DType::f16, DType::f16);
+        const std::size_t n = h.tensors[t].grad.size();
+        const std::size_t i = where == 0 ? 0 : where == 1 ? n / 2 : n - 1;
+        h.tensors[t].grad[i] = bad;
+        DeviceModel dev(h);
+        StepConfig c = config_for(DType::f16, DType::f16, 2048.0f, 1.0f);
+        FusedAdamW opt(dev.views(), c);
+        CAPTURE(t, i, bad);
+        const StepReport r = lockstep(opt, dev, h, c);
+        REQUIRE(r.outcome == Outcome::skipped_overflow);
+        REQUIRE(r.step == 0);
+        REQUIRE(r.scale_next == 1024.0f);
+        REQUIRE(r.first_nonfinite_tensor == static_cast<std::int32_t>(t));
+        const HostModel after = dev.download(h);
+        for (std::size_t k = 0; k < sizes.size(); ++k) REQUIRE(after.tensors[k] == h.tensors[k]);
+        std::vector<std::int64_t> expected(sizes.size(), 0);
+        expected[t] = 1;
+        REQUIRE(opt.nonfinite_counts() == expected);
+      }
+    }
+  }
+}
+
+TEST_CASE("gpu step applies two groups with their own lr and weight decay", "[gpu]") {
+  HostModel h = random_model(10, {5000, 3000, 77}, 1024.0f, DType::f16, DType::f16);
+  h.tensors[1].group = 1;
+  h.tensors[2].group = 2;
+  DeviceModel dev(h);
+  StepConfig c = config_for(DType::f16, DType::f16, 1024.0f, 0.0f);
+  c.groups.resize(3);
+  c.groups[0].lr = 1e-2f;
+  c.groups[0].weight_decay = 0.1f;
+  c.groups[1].lr = 1e-4f;
+  c.groups[1].weight_decay = 0.0f;
+  c.groups[2].decoupled_weight_decay = false;  // classic L2
+  c.groups[2].weight_decay = 0.05f;
+  c.groups[2].bias_correction = false;
+  FusedAdamW opt(dev.views(), c);
+  for (int step = 0; step < 3; ++step) lockstep(opt, dev, h, c);
+}
+
+TEST_CASE("gpu spike skip leaves every buffer and the scale alone", "[gpu]") {
+  HostModel h = random_model(11, {4096, 100}, 1024.0f, DType::f16, DType::f16);
+  DeviceModel dev(h);
+  StepConfig c = config_for(DType::f16, DType::f16, 1024.0f, 0.0f);
+  c.spike.enabled = true;
+  c.spike.warmup_steps = 10;
+  c.spike.action = SpikeConfig::Action::skip;
+  FusedAdamW opt(dev.views(), c);
+  std::mt19937_64 g(12);
+  for (int step = 0; step < 15; ++step) {
+    for (auto& t : h.tensors) refill_grads(g, t, DType::f16, 1024.0f);
+    dev.upload_grads(h);
+    REQUIRE(lockstep(opt, dev, h, c).outcome == Outcome::applied);
+  }
+  for (auto& t : h.tensors) refill_grads(g, t, DType::f16, 1024.0f, 1.0f);  // 100x
+  dev.upload_grads(h);
+  const StepReport r = lockstep(opt, dev, h, c);
+  CHECK(r.outcome == Outcome::skipped_spike);
+  CHECK(r.spike);
+  CHECK(r.scale_next == r.scale_used);
+}
+
+TEST_CASE("gpu 200-step trajectory with random overflows follows the reference", "[gpu]") {
+  // Free-running: the GPU and the reference each keep their own buffers. Verdicts and scales
+  // must agree exactly at every step; the masters drift apart by at most the per-step bound of
+  // adam_bound summed over the applied steps (differences in m and v decay with beta < 1, so the
+  // sum is an upper bound).
+  const std::vector<std::int64_t> sizes = {3000, 1, kChunk + 11};
+  HostModel h = random_model(13, sizes, 32768.0f, DType::f16, DType::f16);
+  HostModel ref = h;
+  DeviceModel dev(h);
+  StepConfig c = config_for(DType::f16, DType::f16, 32768.0f, 0.05f);
+  c.scaler.growth_interval = 9;
+  FusedAdamW opt(dev.views(), c);
+  OptimizerState ref_state = OptimizerState::initial(c);
+  std::vector<std::vector<double>> allowed(sizes.size());
+  for (std::size_t t = 0; t < sizes.size(); ++t) allowed[t].assign(static_cast<std::size_t>(sizes[t]), 0.0);
+  std::mt19937_64 g(14);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  int skipped = 0;
+  for (int step = 1; step <= 200; ++step) {
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      refill_grads(g, h.tensors[t], DType::f16, ref_state.scaler.scale);
+      ref.tensors[t].grad = h.tensors[t].grad;
+    }
+    if (u(g) < 0.1) {
+      h.tensors[2].grad[static_cast<std::size_t>(step * 97) % h.tensors[2].grad.size()] = 0x7E00;
+      ref.tensors[2].grad = h.tensors[2].grad;
+    }
+    dev.upload_grads(h);
+    const HostModel ref_before = ref;
+    opt.step();
+    const StepReport got = opt.last_report();
+    const StepReport want = reference::step(ref.views(), c, ref_state);
+    CAPTURE(step);
+    REQUIRE(got.outcome == want.outcome);
+    REQUIRE(got.scale_used == want.scale_used);
+    REQUIRE(got.scale_next == want.scale_next);
+    REQUIRE(got.step == want.step);
+    skipped += got.outcome != Outcome::applied;
+    if (want.outcome == Outcome::applied) {
+      const double clip = std::min(1.0, 0.05 / (want.grad_norm + 1e-6));
+      for (std::size_t t = 0; t < sizes.size(); ++t) {
+        const HostTensor& b = ref_before.tensors[t];
+        for (std::size_t i = 0; i < b.master.size(); ++i) {
+          allowed[t][i] += adam_bound(b.master[i], b.exp_avg[i], b.exp_avg_sq[i],
+                                      from_f16_bits(b.grad[i]), want.scale_used, clip,
+                                      norm_rel_tolerance(DType::f16) + 1.2e-7, c.groups[0],
+                                      ref_state.step).p;
+        }
+      }
+    }
+  }
+  const HostModel gpu = dev.download(h);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    for (std::size_t i = 0; i < gpu.tensors[t].master.size(); ++i) {
+      CAPTURE(t, i);
+      REQUIRE(std::fabs(static_cast<double>(gpu.tensors[t].master[i]) - ref.tensors[t].master[i]) <=
+              4 * allowed[t][i]);
+    }
+  }
+  CHECK(skipped >= 5);
+}
+
+namespace {
+
+// Runs `steps` steps from the same seed and returns the final buffers and reports.
+struct Run {
+  HostModel buffers;
+  std::vector<StepReport> reports;
+  OptimizerState state;
+};
+
+Run run_steps(const StepConfig& c, int steps, std::uint64_t seed, float grad_scale_factor = 1.0f) {
+  const std::vector<std::int64_t> sizes = {kChunk * 2 + 3, 555};
+  HostModel h = random_model(seed, sizes, c.scaler.init_scale, c.grad_dtype, c.model_dtype);
+  DeviceModel dev(h);
+  FusedAdamW opt(dev.views(), c);
+  std::mt19937_64 g(seed + 1);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::uniform_real_distribution<double> log_mag(-10.0, 2.0);
+  Run run;
+  for (int step = 0; step < steps; ++step) {
+    for (auto& t : h.tensors) {
+      for (std::size_t i = 0; i < t.grad.size(); ++i) {
+        // Unscaled gradients that are exact f16 values with magnitudes in [2^-10, 4]: normal at
+        // scale 1 and representable at scale 2^12, so unscaling is exact at either scale.
+        const double x = from_f16_bits(to_f16_bits(std::exp2(log_mag(g)))) * (i % 2 ? 1 : -1);
+        t.grad[i] = to_f16_bits(x * grad_scale_factor);
+      }
+    }
+    if (u(g) < 0.1) h.tensors[0].grad[static_cast<std::size_t>(step)] = 0x7C00;
+    dev.upload_grads(h);
+    opt.step();
+    run.reports.push_back(opt.last_report());
+  }
+  run.buffers = dev.download(h);
+  run.state = opt.state();
+  return run;
+}
+
+void require_bitwise_equal(const Run& a, const Run& b, bool compare_grads = true) {
+  REQUIRE(a.reports.size() == b.reports.size());
+  for (std::size_t i = 0; i < a.reports.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(a.reports[i].outcome == b.reports[i].outcome);
+    REQUIRE(std::memcmp(&a.reports[i].scale_next, &b.reports[i].scale_next, sizeof(float)) == 0);
+  }
+  for (std::size_t t = 0; t < a.buffers.tensors.size(); ++t) {
+    const HostTensor& x = a.buffers.tensors[t];
+    const HostTensor& y = b.buffers.tensors[t];
+    REQUIRE(std::memcmp(x.master.data(), y.master.data(), x.master.size() * 4) == 0);
+    REQUIRE(std::memcmp(x.exp_avg.data(), y.exp_avg.data(), x.exp_avg.size() * 4) == 0);
+    REQUIRE(std::memcmp(x.exp_avg_sq.data(), y.exp_avg_sq.data(), x.exp_avg_sq.size() * 4) == 0);
+    REQUIRE(x.model == y.model);
+    if (compare_grads) REQUIRE(x.grad == y.grad);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("gpu runs are bitwise deterministic", "[gpu]") {
+  StepConfig c = config_for(DType::f16, DType::f16, 65536.0f, 1.0f);
+  c.scaler.growth_interval = 7;
+  c.spike.enabled = true;
+  c.spike.warmup_steps = 5;
+  const Run a = run_steps(c, 60, 15);
+  const Run b = run_steps(c, 60, 15);
+  require_bitwise_equal(a, b);
+  CHECK(a.state == b.state);
+}
+
+TEST_CASE("gpu device-resident and host-driven trajectories are bitwise equal", "[gpu]") {
+  StepConfig c = config_for(DType::f16, DType::f16, 65536.0f, 1.0f);
+  c.scaler.growth_interval = 5;
+  c.scaler.hysteresis = 2;
+  c.spike.enabled = true;
+  c.spike.warmup_steps = 5;
+  c.spike.action = SpikeConfig::Action::skip;
+  StepConfig host = c;
+  host.host_driven = true;
+  const Run a = run_steps(c, 120, 16);
+  const Run b = run_steps(host, 120, 16);
+  require_bitwise_equal(a, b);
+  CHECK(a.state == b.state);
+  int overflows = 0;
+  for (const auto& r : a.reports) overflows += r.outcome == Outcome::skipped_overflow;
+  CHECK(overflows > 3);
+}
+
+TEST_CASE("gpu runs at S = 1 and S = 2^12 give bitwise equal masters", "[gpu]") {
+  StepConfig one = config_for(DType::f16, DType::f16, 1.0f, 0.5f);
+  one.scaler = ScalerConfig::constant(1.0f);
+  StepConfig big = one;
+  big.scaler = ScalerConfig::constant(4096.0f);
+  const Run a = run_steps(one, 50, 17, 1.0f);
+  const Run b = run_steps(big, 50, 17, 4096.0f);
+  require_bitwise_equal(a, b, /*compare_grads=*/false);
+}
+
+TEST_CASE("gpu graph replayed 20 times equals 20 eager steps", "[gpu]") {
+  const std::vector<std::int64_t> sizes = {kChunk + 100, 900};
+  HostModel h = random_model(18, sizes, 8192.0f, DType::f16, DType::bf16);
+  const StepConfig c = config_for(DType::f16, DType::bf16, 8192.0f, 1.0f);
+  cudaStream_t stream;
+  GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  DeviceModel eager(h);
+  FusedAdamW eager_opt(eager.views(), c);
+  DeviceModel graphed(h);
+  FusedAdamW graph_opt(graphed.views(), c);
+
+  cudaGraph_t graph;
+  GPU_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  graph_opt.step(stream);
+  GPU_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  GPU_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  std::mt19937_64 g(19);
+  for (int i = 0; i < 20; ++i) {
+    for (auto& t : h.tensors) refill_grads(g, t, DType::f16, 8192.0f);
+    if (i == 7) h.tensors[1].grad[3] = 0x7C00;  // one overflow inside the replays
+    eager.upload_grads(h);
+    graphed.upload_grads(h);
+    if (i == 10) {  // a learning-rate change between replays, ordered on the stream
+      eager_opt.set_lr(0, 3e-4f, stream);
+      graph_opt.set_lr(0, 3e-4f, stream);
+    }
+    eager_opt.step(stream);
+    GPU_CHECK(cudaGraphLaunch(exec, stream));
+    GPU_CHECK(cudaStreamSynchronize(stream));
+    const StepReport a = eager_opt.last_report(), b = graph_opt.last_report();
+    CAPTURE(i);
+    REQUIRE(a.attempt == i + 1);
+    REQUIRE(b.attempt == i + 1);  // the report copy and event are part of the graph
+    REQUIRE(a.outcome == b.outcome);
+  }
+  const HostModel x = eager.download(h), y = graphed.download(h);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    REQUIRE(std::memcmp(x.tensors[t].master.data(), y.tensors[t].master.data(), x.tensors[t].master.size() * 4) == 0);
+    REQUIRE(x.tensors[t].model == y.tensors[t].model);
+  }
+  CHECK(eager_opt.state() == graph_opt.state());
+  GPU_CHECK(cudaGraphExecDestroy(exec));
+  GPU_CHECK(cudaGraphDestroy(graph));
+  GPU_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("gpu host-driven steps refuse graph capture", "[gpu]") {
+  HostModel h = random_model(20, {100}, 1024.0f, DType::f16, DType::f16);
+  DeviceModel dev(h);
+  StepConfig c = config_for(DType::f16, DType::f16, 1024.0f, 0.0f);
+  c.host_driven = true;
+  FusedAdamW opt(dev.views(), c);
+  cudaStream_t stream;
+  GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  GPU_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CHECK_THROWS_WITH(opt.step(stream), Catch::Contains("cannot be captured"));
+  cudaGraph_t graph = nullptr;
+  (void)cudaStreamEndCapture(stream, &graph);
+  if (graph) cudaGraphDestroy(graph);
+  GPU_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("gpu state moves between the cuda and reference backends", "[gpu][checkpoint]") {
+  HostModel h = random_model(21, {2000, 10}, 65536.0f, DType::f16, DType::f16);
+  DeviceModel dev(h);
+  StepConfig c = config_for(DType::f16, DType::f16, 65536.0f, 1.0f);
+  c.scaler.growth_interval = 3;
+  FusedAdamW opt(dev.views(), c);
+  std::mt19937_64 g(22);
+  for (int i = 0; i < 8; ++i) {
+    for (auto& t : h.tensors) refill_grads(g, t, DType::f16, opt.loss_scale());
+    if (i == 2) h.tensors[0].grad[5] = 0x7E00;
+    dev.upload_grads(h);
+    opt.step();
+  }
+  const std::string saved = opt.save_state();
+  HostModel host = dev.download(h);
+  FusedAdamW cpu(host.views(), c, Backend::reference);
+  cpu.load_state(saved);
+  CHECK(cpu.state() == opt.state());
+  // And back: a corrupt checkpoint leaves the device state as it was.
+  const OptimizerState before = opt.state();
+  std::string bad = saved;
+  bad[15] = static_cast<char>(bad[15] ^ 1);
+  CHECK_THROWS_AS(opt.load_state(bad), Error);
+  CHECK(opt.state() == before);
+  cpu.step();
+  opt.load_state(cpu.save_state());
+  CHECK(opt.state() == cpu.state());
+  float device_scale = 0.0f;
+  GPU_CHECK(cudaMemcpy(&device_scale, opt.device_loss_scale(), sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK(device_scale == cpu.loss_scale());
+}
+
+TEST_CASE("gpu set_lr and device_lr change the learning rate in stream order", "[gpu]") {
+  HostModel h = random_model(23, {1000}, 1024.0f, DType::f16, DType::f16);
+  DeviceModel dev(h);
+  StepConfig c = config_for(DType::f16, DType::f16, 1024.0f, 0.0f);
+  c.groups[0].weight_decay = 0.0f;
+  FusedAdamW opt(dev.views(), c);
+  opt.set_lr(0, 0.0f);
+  const HostModel before = dev.download(h);
+  opt.step();
+  REQUIRE(opt.last_report().outcome == Outcome::applied);
+  CHECK(dev.download(h).tensors[0].master == before.tensors[0].master);  // lr 0: weights stay
+  const float lr = 5e-3f;
+  GPU_CHECK(cudaMemcpy(opt.device_lr(0), &lr, sizeof lr, cudaMemcpyHostToDevice));
+  c.groups[0].lr = lr;
+  lockstep(opt, dev, h, c);
+}
+
+TEST_CASE("gpu setup rejects host memory with the buffer named", "[gpu][validate]") {
+  HostModel h = random_model(24, {16}, 1.0f, DType::f16, DType::f16);
+  DeviceModel dev(h);
+  auto v = dev.views();
+  v[0].exp_avg = h.tensors[0].exp_avg.data();
+  CHECK_THROWS_WITH(FusedAdamW(v, StepConfig{}), Catch::Contains("tensors[0].exp_avg must be device memory"));
+}
+
+TEST_CASE("gpu step over only empty tensors reports an empty applied step", "[gpu]") {
+  std::vector<ParamTensor> none(3);
+  FusedAdamW opt(none, StepConfig{});
+  CHECK(opt.launches_per_step() == 1);
+  opt.step();
+  const StepReport r = opt.last_report();
+  CHECK(r.outcome == Outcome::applied);
+  CHECK(r.numel == 0);
+  CHECK(r.grad_norm == 0.0);
+  CHECK(opt.nonfinite_counts() == std::vector<std::int64_t>{0, 0, 0});
+}
+
+TEST_CASE("gpu one tensor of 2^31 + 7 elements steps correctly at both ends and across 2^31", "[gpu][large]") {
+  const std::int64_t n = (std::int64_t{1} << 31) + 7;
+  const std::size_t bytes = static_cast<std::size_t>(n) * (4 + 4 + 4 + 2 + 2);
+  std::size_t free_bytes = 0, total = 0;
+  GPU_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  if (free_bytes < bytes + (std::size_t{1} << 30)) {
+    skip_test("the 2^31 + 7 element test needs " + std::to_string(bytes >> 30) + " GiB of free device memory");
+    return;
+  }
+  DeviceArray<float> master(static_cast<std::size_t>(n), 0), m(static_cast<std::size_t>(n), 0),
+      v(static_cast<std::size_t>(n), 0);
+  DeviceArray<std::uint16_t> grad(static_cast<std::size_t>(n), 0), model(static_cast<std::size_t>(n), 0);
+  // Every gradient 0x3C3C (1.05859375 in f16, a byte pattern cudaMemset can write), masters 0,
+  // moments 0; a few distinct values at the probes, so a wrong index would mix them up.
+  GPU_CHECK(cudaMemset(grad.ptr, 0x3C, static_cast<std::size_t>(n) * 2));
+  GPU_CHECK(cudaMemset(master.ptr, 0, static_cast<std::size_t>(n) * 4));
+  GPU_CHECK(cudaMemset(m.ptr, 0, static_cast<std::size_t>(n) * 4));
+  GPU_CHECK(cudaMemset(v.ptr, 0, static_cast<std::size_t>(n) * 4));
+  GPU_CHECK(cudaMemset(model.ptr, 0xFF, static_cast<std::size_t>(n) * 2));
+  const std::int64_t two31 = std::int64_t{1} << 31;
+  const std::vector<std::int64_t> probes = {0, 1, 7, two31 - 9, two31 - 1, two31, two31 + 1, n - 8, n - 1};
+  std::vector<std::uint16_t> probe_grad;
+  for (std::size_t k = 0; k < probes.size(); ++k) {
+    const std::uint16_t bits = to_f16_bits(-0.25 * static_cast<double>(k + 1));
+    probe_grad.push_back(bits);
+    GPU_CHECK(cudaMemcpy(grad.ptr + probes[k], &bits, 2, cudaMemcpyHostToDevice));
+  }
+  ParamTensor p{master.ptr, grad.ptr, m.ptr, v.ptr, model.ptr, n, 0};
+  StepConfig c;
+  c.scaler = ScalerConfig::constant(1.0f);
+  FusedAdamW opt({p}, c);
+
+  // First an overflow at 2^31 + 1: found, and nothing written.
+  const std::uint16_t inf = 0x7C00;
+  GPU_CHECK(cudaMemcpy(grad.ptr + two31 + 1, &inf, 2, cudaMemcpyHostToDevice));
+  opt.step();
+  StepReport r = opt.last_report();
+  CHECK(r.outcome == Outcome::skipped_overflow);
+  CHECK(r.nonfinite_count == 1);
+  CHECK(r.numel == n);
+  GPU_CHECK(cudaMemcpy(grad.ptr + two31 + 1, &probe_grad[6], 2, cudaMemcpyHostToDevice));
+  std::uint16_t poison = 0;
+  GPU_CHECK(cudaMemcpy(&poison, model.ptr + n - 1, 2, cudaMemcpyDeviceToHost));
+  CHECK(poison == 0xFFFF);
+
+  opt.step();
+  r = opt.last_report();
+  REQUIRE(r.outcome == Outcome::applied);
+  // Norm: n - 9 elements of 1.05859375 and the probes.
+  double sum_sq = static_cast<double>(n - static_cast<std::int64_t>(probes.size())) * std::pow(from_f16_bits(0x3C3C), 2);
+  for (std::uint16_t b : probe_grad) sum_sq += std::pow(from_f16_bits(b), 2);
+  CHECK(std::fabs(r.grad_norm - std::sqrt(sum_sq)) <= norm_rel_tolerance(DType::f16) * std::sqrt(sum_sq));
+
+  // Every element's first step from zero moments: the reference on a one-element tensor.
+  auto expect = [&](std::uint16_t g_bits) {
+    HostModel one;
+    HostTensor t;
+    t.master = {0.0f};
+    t.exp_avg = {0.0f};
+    t.exp_avg_sq = {0.0f};
+    t.grad = {g_bits};
+    t.model = {0};
+    one.tensors.push_back(t);
+    OptimizerState s = OptimizerState::initial(c);
+    reference::step(one.views(), c, s);
+    return one.tensors[0];
+  };
+  // Tolerance: adam_bound for a first step from zero state (no clipping, scale 1).
+  auto bound = [&](std::uint16_t g_bits) {
+    return adam_bound(0.0f, 0.0f, 0.0f, from_f16_bits(g_bits), 1.0, 1.0, 0.0, c.groups[0], 1).p;
+  };
+  const HostTensor plain = expect(0x3C3C);
+  for (std::int64_t at : {std::int64_t{2}, two31 - 2, two31 + 3, n - 2}) {
+    float got = 0.0f;
+    GPU_CHECK(cudaMemcpy(&got, master.ptr + at, 4, cudaMemcpyDeviceToHost));
+    CAPTURE(at);
+    CHECK(std::fabs(got - plain.master[0]) <= bound(0x3C3C));
+  }
+  for (std::size_t k = 0; k < probes.size(); ++k) {
+    const HostTensor want = expect(probe_grad[k]);
+    float got = 0.0f;
+    std::uint16_t got_model = 0;
+    GPU_CHECK(cudaMemcpy(&got, master.ptr + probes[k], 4, cudaMemcpyDeviceToHost));
+    GPU_CHECK(cudaMemcpy(&got_model, model.ptr + probes[k], 2, cudaMemcpyDeviceToHost));
+    CAPTURE(k, probes[k]);
+    CHECK(std::fabs(got - want.master[0]) <= bound(probe_grad[k]));
+    CHECK(got_model == to_f16_bits(got));
+  }
+}
