@@ -27,6 +27,36 @@ namespace halfstep_test {
 
 struct AdamBound {
   double p, m, v;  // allowed |gpu - reference| for the stored master and moments
+  // The reference's own values of the step, for propagating earlier differences (see
+  // carried_p_error): the new moments, the denominator and the step size lr / bc1.
+  double m1, v1, denom, step_size, sqrt_bc2;
+};
+
+/// How much differences already present in m and v (bounds `dm`, `dv`, carried into this step
+/// after decaying by beta1 and beta2) can move this step's master update lr/bc1 · m'/D: through
+/// m' directly, and through D, which dv moves by at most
+/// dD = min(dv / (2 sqrt(v')), sqrt(dv)) / sqrt(bc2), changing m'/D by at most |m'|·dD/(D(D - dD)).
+/// Infinite when dD reaches D (no bound).
+inline double carried_p_error(const AdamBound& b, double dm, double dv) {
+  const double sv = std::sqrt(b.v1);
+  const double d_sqrt = sv > 0 ? std::min(dv / (2 * sv), std::sqrt(dv)) : std::sqrt(dv);
+  const double d_denom = d_sqrt / b.sqrt_bc2;
+  if (d_denom >= b.denom) return HUGE_VAL;
+  return b.step_size * (dm / b.denom + std::fabs(b.m1) * d_denom / (b.denom * (b.denom - d_denom)));
+}
+
+/// Bounds on |fused - reference| of one element's p, m and v over a free-running trajectory.
+struct CarriedBound {
+  double p = 0, m = 0, v = 0;
+  /// Folds in one applied step whose fresh error bounds are `ab`: m and v differences decay by
+  /// beta1 and beta2 and move this update by at most carried_p_error; a p difference is carried
+  /// on (decoupled weight decay only shrinks it; classic L2 would feed it back into g).
+  void add_step(const AdamBound& ab, const halfstep::AdamWConfig& h) {
+    const double dm = h.beta1 * m, dv = h.beta2 * v;
+    p += ab.p + carried_p_error(ab, dm, dv);
+    m = dm + ab.m;
+    v = dv + ab.v;
+  }
 };
 
 /// The bound for one element; `scaled_grad` is the stored gradient's exact value, `clip` the
@@ -67,7 +97,7 @@ inline AdamBound adam_bound(float p, float m, float v, double scaled_grad, doubl
   const double e_p = e_pd + lr / bc1 * (e_r + 2 * u * std::fabs(r)) + u * std::fabs(p1);
   const double tiny = 1e-40;  // both sides may flush a result this small differently
   return {2 * (e_p + u * std::fabs(p1)) + tiny, 2 * (e_m + u * std::fabs(m1)) + tiny,
-          2 * (e_v + u * v1) + tiny};
+          2 * (e_v + u * v1) + tiny, m1, v1, D, lr / bc1, std::sqrt(bc2)};
 }
 
 }  // namespace halfstep_test
