@@ -56,7 +56,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const D
       report.outcome = Outcome::skipped_spike;  // the scale stays, nothing advances
     } else {
       state.step += 1;
-      if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, false);
+      if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, false, report.headroom_log2);
       report.outcome = Outcome::applied;
       decision.apply = 1;
       decision.coef = static_cast<float>(clip / static_cast<double>(scale));

@@ -200,7 +200,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
     StepReport report = *h_report_;
     if (report.outcome != Outcome::skipped_spike) {
-      scaler_.update(report.outcome == Outcome::skipped_overflow);
+      scaler_.update(report.outcome == Outcome::skipped_overflow, report.headroom_log2);
     }
     *h_scaler_ = scaler_.state();  // the device's copy feeds the next backward pass
     HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(&d_state_->scaler, h_scaler_, sizeof(ScalerState),

@@ -111,7 +111,7 @@ StepReport step(const std::vector<ParamTensor>& tensors, const StepConfig& confi
   // Pass 2: AdamW with the applied-step counter after this step.
   state.step += 1;
   for (const ParamTensor& p : tensors) apply_tensor(p, config, clip / S, state.step);
-  state.scaler = next_state(state.scaler, config.scaler, false);
+  state.scaler = next_state(state.scaler, config.scaler, false, r.headroom_log2);
   r.outcome = Outcome::applied;
   r.step = state.step;
   r.scale_next = state.scaler.scale;

@@ -24,6 +24,8 @@ void ScalerConfig::validate() const {
   require(finite(max_scale) && max_scale >= min_scale,
           "ScalerConfig.max_scale must be finite and >= min_scale (", min_scale, "), got ",
           max_scale);
+  require(finite(headroom_margin_log2) && headroom_margin_log2 >= 0.0f,
+          "ScalerConfig.headroom_margin_log2 must be finite and >= 0, got ", headroom_margin_log2);
   require(init_scale >= min_scale && init_scale <= max_scale,
           "ScalerConfig.init_scale must be in [min_scale, max_scale] = [", min_scale, ", ",
           max_scale, "], got ", init_scale);
@@ -70,6 +72,11 @@ DynamicLossScaler::DynamicLossScaler(const ScalerConfig& config) : config_(confi
 
 bool DynamicLossScaler::update(bool overflow) {
   state_ = next_state(state_, config_, overflow);
+  return !overflow;
+}
+
+bool DynamicLossScaler::update(bool overflow, float headroom_log2) {
+  state_ = next_state(state_, config_, overflow, headroom_log2);
   return !overflow;
 }
 

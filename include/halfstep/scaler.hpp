@@ -3,6 +3,8 @@
 // so both ways of driving it follow the same trajectory bit for bit.
 #pragma once
 
+#include <math.h>
+
 #include <cstdint>
 
 #include "halfstep/config.hpp"
@@ -19,6 +21,11 @@ struct ScalerConfig {
   bool consecutive_hysteresis = false; ///< refill hysteresis on every clean step (else on growth)
   float min_scale = 1.0f;              ///< lower clamp; finite and > 0
   float max_scale = 16777216.0f;       ///< upper clamp; finite and >= min_scale
+  /// Opt-in: on a clean step whose measured headroom (log2 of format max over the largest scaled
+  /// gradient) is at least log2(growth_factor) + headroom_margin_log2, grow at once instead of
+  /// waiting for the growth window. Backoff still catches what the final gradients miss.
+  bool headroom_growth = false;
+  float headroom_margin_log2 = 4.0f;   ///< headroom kept after an early growth; finite and >= 0
 
   /// Throws halfstep::Error naming the first field that breaks its rule.
   void validate() const;
@@ -51,9 +58,11 @@ HALFSTEP_HD inline float clamp_scale(float x, float lo, float hi) {
 }
 
 /// The scaler's transition after one step whose gradients did (`overflow`) or did not contain a
-/// non-finite value. Steps skipped for another reason (a gradient spike) must not call it.
+/// non-finite value; `headroom_log2` is the step's measured headroom (StepReport::headroom_log2),
+/// used only by the opt-in headroom growth (NaN or +inf: no information). Steps skipped for
+/// another reason (a gradient spike) must not call it.
 HALFSTEP_HD inline ScalerState next_state(const ScalerState& s, const ScalerConfig& c,
-                                          bool overflow) {
+                                          bool overflow, float headroom_log2) {
   ScalerState n = s;
   if (overflow) {
     n.overflows = s.overflows + 1;
@@ -69,7 +78,11 @@ HALFSTEP_HD inline ScalerState next_state(const ScalerState& s, const ScalerConf
   }
   n.good_steps = s.good_steps + 1;
   if (c.consecutive_hysteresis) n.hysteresis_left = c.hysteresis;
-  if (n.good_steps >= c.growth_interval) {  // a full window of clean steps: grow
+  // log2(growth_factor) in float; headroom above it plus the margin means one growth still
+  // leaves the margin below the format's maximum.
+  const bool room = c.headroom_growth && headroom_log2 < HUGE_VALF &&
+                    headroom_log2 >= ::log2f(c.growth_factor) + c.headroom_margin_log2;
+  if (n.good_steps >= c.growth_interval || room) {  // a full window of clean steps, or room: grow
     const float grown = clamp_scale(s.scale * c.growth_factor, c.min_scale, c.max_scale);
     if (grown != s.scale) n.growths = s.growths + 1;
     n.scale = grown;
@@ -77,6 +90,12 @@ HALFSTEP_HD inline ScalerState next_state(const ScalerState& s, const ScalerConf
     n.hysteresis_left = c.hysteresis;
   }
   return n;
+}
+
+/// The transition without headroom information (the classic rules).
+HALFSTEP_HD inline ScalerState next_state(const ScalerState& s, const ScalerConfig& c,
+                                          bool overflow) {
+  return next_state(s, c, overflow, NAN);
 }
 
 /// Host-side driver around next_state, for trainers that decide on the host.
@@ -88,6 +107,8 @@ class DynamicLossScaler {
   float scale() const { return state_.scale; }
   /// Records one step's verdict; returns true when the step may be applied.
   bool update(bool overflow);
+  /// Records one step's verdict and measured headroom (for ScalerConfig::headroom_growth).
+  bool update(bool overflow, float headroom_log2);
   /// Where the scaler stands.
   const ScalerState& state() const { return state_; }
   /// The rules it follows.

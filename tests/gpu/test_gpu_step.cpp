@@ -308,6 +308,7 @@ TEST_CASE("gpu device-resident and host-driven trajectories are bitwise equal", 
   c.spike.enabled = true;
   c.spike.warmup_steps = 5;
   c.spike.action = SpikeConfig::Action::skip;
+  c.scaler.headroom_growth = true;  // the host must see the same headroom the device measured
   StepConfig host = c;
   host.host_driven = true;
   const Run a = run_steps(c, 120, 16);

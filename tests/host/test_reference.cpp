@@ -498,3 +498,17 @@ TEST_CASE("an invalid optimizer state is rejected before anything runs", "[refer
   s.step = 3;  // more applied steps than attempts
   CHECK_THROWS_WITH(reference::step(m.views(), StepConfig{}, s), Catch::Contains("OptimizerState.step"));
 }
+
+TEST_CASE("the reference grows the scale early when headroom growth is on", "[reference]") {
+  HostModel m = random_model(25, {64}, 16.0f);  // |g·S| ~ 0.16: headroom ~ 18 binades
+  StepConfig c = config_with_scale(16.0f);
+  c.scaler.headroom_growth = true;
+  OptimizerState s = OptimizerState::initial(c);
+  const StepReport r = reference::step(m.views(), c, s);
+  CHECK(r.headroom_log2 > 10.0f);
+  CHECK(r.scale_next == 32.0f);
+  c.scaler.headroom_growth = false;
+  OptimizerState s2 = OptimizerState::initial(c);
+  HostModel m2 = random_model(25, {64}, 16.0f);
+  CHECK(reference::step(m2.views(), c, s2).scale_next == 16.0f);
+}

@@ -285,3 +285,63 @@ TEST_CASE("a constant scaler never changes the scale but still counts overflows"
   CHECK(s.growths == 0);
   CHECK(s.backoffs == 0);
 }
+
+TEST_CASE("headroom growth grows early only with room for the factor and the margin", "[scaler]") {
+  ScalerConfig c;
+  c.init_scale = 1024.0f;
+  c.growth_interval = 1000;
+  c.headroom_growth = true;
+  c.headroom_margin_log2 = 4.0f;  // grow by 2 only when headroom >= 1 + 4 = 5
+  ScalerState s = ScalerState::initial(c);
+  s = next_state(s, c, false, 4.99f);
+  CHECK(s.scale == 1024.0f);
+  CHECK(s.good_steps == 1);
+  s = next_state(s, c, false, 5.0f);
+  CHECK(s.scale == 2048.0f);
+  CHECK(s.good_steps == 0);
+  CHECK(s.growths == 1);
+  s = next_state(s, c, false, INFINITY);  // all-zero gradients say nothing about the scale
+  CHECK(s.scale == 2048.0f);
+  s = next_state(s, c, false, std::nanf(""));
+  CHECK(s.scale == 2048.0f);
+  s = next_state(s, c, true, 30.0f);  // an overflow still backs off, whatever the headroom
+  CHECK(s.scale == 1024.0f);
+}
+
+TEST_CASE("without the opt-in the headroom is ignored", "[scaler]") {
+  ScalerConfig c;
+  c.init_scale = 1024.0f;
+  c.growth_interval = 3;
+  ScalerState s = ScalerState::initial(c);
+  s = next_state(s, c, false, 20.0f);
+  s = next_state(s, c, false, 20.0f);
+  CHECK(s.scale == 1024.0f);
+  s = next_state(s, c, false, 20.0f);
+  CHECK(s.scale == 2048.0f);
+  CHECK(next_state(s, c, false) == next_state(s, c, false, 20.0f));
+}
+
+TEST_CASE("headroom growth keeps the scale clamped and the margin validated", "[scaler]") {
+  ScalerConfig c;
+  c.init_scale = c.max_scale;
+  c.headroom_growth = true;
+  ScalerState s = ScalerState::initial(c);
+  s = next_state(s, c, false, 40.0f);
+  CHECK(s.scale == c.max_scale);
+  CHECK(s.growths == 0);
+  c.headroom_margin_log2 = -1.0f;
+  CHECK_THROWS_WITH(c.validate(), Catch::Contains("ScalerConfig.headroom_margin_log2"));
+  c.headroom_margin_log2 = INFINITY;
+  CHECK_THROWS_WITH(c.validate(), Catch::Contains("ScalerConfig.headroom_margin_log2"));
+}
+
+TEST_CASE("DynamicLossScaler passes the headroom to the transition", "[scaler]") {
+  ScalerConfig c;
+  c.init_scale = 8.0f;
+  c.headroom_growth = true;
+  DynamicLossScaler scaler(c);
+  CHECK(scaler.update(false, 12.0f));
+  CHECK(scaler.scale() == 16.0f);
+  CHECK(scaler.update(false));
+  CHECK(scaler.scale() == 16.0f);
+}

@@ -88,6 +88,7 @@ TEST_CASE("decide reproduces the reference report and state exactly", "[step_mat
   c.spike.action = SpikeConfig::Action::skip;
   c.max_grad_norm = 0.3f;
   c.scaler.max_scale = 8192.0f;  // keeps the 100x steps finite in f16
+  c.scaler.headroom_growth = true;
   HostModel m;
   for (std::int64_t n : {33, 0, 200, 5}) m.tensors.push_back(random_tensor(rng, n, DType::f16, DType::f16, 1.0f));
   OptimizerState ref = OptimizerState::initial(c);
