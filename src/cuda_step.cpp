@@ -38,21 +38,6 @@ struct Event {
   ~Event() { if (event) cudaEventDestroy(event); }
 };
 
-// Carves one allocation into 256-byte-aligned pieces.
-class Layout {
- public:
-  template <class T>
-  std::size_t add(std::size_t count) {
-    const std::size_t at = bytes_;
-    bytes_ += (count * sizeof(T) + 255) / 256 * 256;
-    return at;
-  }
-  std::size_t bytes() const { return bytes_; }
-
- private:
-  std::size_t bytes_ = 0;
-};
-
 void require_device_buffer(const void* ptr, std::int64_t numel, std::size_t t, const char* field,
                            int device) {
   if (ptr == nullptr || numel == 0) return;
@@ -102,28 +87,19 @@ class CudaImpl final : public FusedAdamW::Impl {
     const std::size_t n_groups = config_.groups.size();
 
     // One device allocation for everything the step reads and writes besides the tensors.
-    Layout layout;
-    const std::size_t at_tensors = layout.add<TensorDesc>(n_tensors_);
-    const std::size_t at_chunks = layout.add<ChunkDesc>(table.chunks.size());
-    const std::size_t at_partials = layout.add<ChunkPartial>(table.chunks.size());
-    const std::size_t at_state = layout.add<DeviceState>(1);
-    const std::size_t at_report = layout.add<StepReport>(1);
-    const std::size_t at_decision = layout.add<Decision>(1);
-    const std::size_t at_params = layout.add<GroupParams>(n_groups);
-    const std::size_t at_lr = layout.add<float>(n_groups);
-    const std::size_t at_consts = layout.add<GroupConsts>(n_groups);
-    HALFSTEP_CUDA_CHECK(cudaMalloc(&workspace_.ptr, layout.bytes()));
-    HALFSTEP_CUDA_CHECK(cudaMemset(workspace_.ptr, 0, layout.bytes()));
+    const WorkspaceLayout layout = WorkspaceLayout::make(n_tensors_, table.chunks.size(), n_groups);
+    HALFSTEP_CUDA_CHECK(cudaMalloc(&workspace_.ptr, layout.bytes));
+    HALFSTEP_CUDA_CHECK(cudaMemset(workspace_.ptr, 0, layout.bytes));
     auto* base = static_cast<unsigned char*>(workspace_.ptr);
-    d_tensors_ = reinterpret_cast<TensorDesc*>(base + at_tensors);
-    d_chunks_ = reinterpret_cast<ChunkDesc*>(base + at_chunks);
-    d_partials_ = reinterpret_cast<ChunkPartial*>(base + at_partials);
-    d_state_ = reinterpret_cast<DeviceState*>(base + at_state);
-    d_report_ = reinterpret_cast<StepReport*>(base + at_report);
-    d_decision_ = reinterpret_cast<Decision*>(base + at_decision);
-    d_params_ = reinterpret_cast<GroupParams*>(base + at_params);
-    d_lr_ = reinterpret_cast<float*>(base + at_lr);
-    d_consts_ = reinterpret_cast<GroupConsts*>(base + at_consts);
+    d_tensors_ = reinterpret_cast<TensorDesc*>(base + layout.tensors);
+    d_chunks_ = reinterpret_cast<ChunkDesc*>(base + layout.chunks);
+    d_partials_ = reinterpret_cast<ChunkPartial*>(base + layout.partials);
+    d_state_ = reinterpret_cast<DeviceState*>(base + layout.state);
+    d_report_ = reinterpret_cast<StepReport*>(base + layout.report);
+    d_decision_ = reinterpret_cast<Decision*>(base + layout.decision);
+    d_params_ = reinterpret_cast<GroupParams*>(base + layout.params);
+    d_lr_ = reinterpret_cast<float*>(base + layout.lr);
+    d_consts_ = reinterpret_cast<GroupConsts*>(base + layout.consts);
 
     std::vector<GroupParams> params(n_groups);
     std::vector<float> lr(n_groups);

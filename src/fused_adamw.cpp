@@ -5,6 +5,7 @@
 #include "fused_impl.hpp"
 #include "halfstep/checkpoint.hpp"
 #include "halfstep/reference.hpp"
+#include "tensor_table.hpp"
 
 namespace halfstep {
 namespace detail {
@@ -75,6 +76,15 @@ std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTen
 }
 
 }  // namespace detail
+
+std::size_t workspace_bytes(const std::vector<std::int64_t>& tensor_numels, std::size_t groups) {
+  std::int64_t chunks = 0;
+  for (std::size_t t = 0; t < tensor_numels.size(); ++t) {
+    detail::require(tensor_numels[t] >= 0, "tensor_numels[", t, "] must be >= 0, got ", tensor_numels[t]);
+    chunks += detail::chunks_of(tensor_numels[t]);
+  }
+  return detail::WorkspaceLayout::make(tensor_numels.size(), static_cast<std::size_t>(chunks), groups).bytes;
+}
 
 FusedAdamW::FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                        Backend backend) {

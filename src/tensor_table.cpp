@@ -31,6 +31,7 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
                     ? 1
                     : 0;
     table.tensors.push_back(d);
+    table.chunks.reserve(table.chunks.size() + static_cast<std::size_t>(chunks_of(p.numel)));
     for (std::int64_t begin = 0; begin < p.numel; begin += kChunkElems) {
       const std::int64_t len = std::min(kChunkElems, p.numel - begin);
       table.chunks.push_back(ChunkDesc{begin, static_cast<std::int32_t>(t), static_cast<std::int32_t>(len)});
@@ -43,6 +44,28 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
   require(tensors.size() <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
           "at most 2^31 - 1 tensors, got ", tensors.size());
   return table;
+}
+
+WorkspaceLayout WorkspaceLayout::make(std::size_t n_tensors, std::size_t n_chunks,
+                                      std::size_t n_groups) {
+  WorkspaceLayout w{};
+  std::size_t at = 0;
+  auto add = [&at](std::size_t bytes) {
+    const std::size_t here = at;
+    at += (bytes + 255) / 256 * 256;
+    return here;
+  };
+  w.tensors = add(n_tensors * sizeof(TensorDesc));
+  w.chunks = add(n_chunks * sizeof(ChunkDesc));
+  w.partials = add(n_chunks * sizeof(ChunkPartial));
+  w.state = add(sizeof(DeviceState));
+  w.report = add(sizeof(StepReport));
+  w.decision = add(sizeof(Decision));
+  w.params = add(n_groups * sizeof(GroupParams));
+  w.lr = add(n_groups * sizeof(float));
+  w.consts = add(n_groups * sizeof(GroupConsts));
+  w.bytes = at;
+  return w;
 }
 
 std::vector<std::int64_t> per_tensor_counts(const std::vector<ChunkDesc>& chunks,

@@ -21,6 +21,16 @@ struct TensorTable {
 /// accesses. Throws halfstep::Error if the chunks would not fit one launch's grid.
 TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors);
 
+/// Where each piece of the step's device workspace sits in its one allocation (byte offsets,
+/// each 256-byte aligned), and the allocation's size.
+struct WorkspaceLayout {
+  std::size_t tensors, chunks, partials, state, report, decision, params, lr, consts, bytes;
+  static WorkspaceLayout make(std::size_t n_tensors, std::size_t n_chunks, std::size_t n_groups);
+};
+
+/// Number of chunks a tensor of `numel` elements splits into.
+inline std::int64_t chunks_of(std::int64_t numel) { return (numel + kChunkElems - 1) / kChunkElems; }
+
 /// Sums per-chunk counts into per-tensor counts.
 std::vector<std::int64_t> per_tensor_counts(const std::vector<ChunkDesc>& chunks,
                                             const std::vector<std::uint32_t>& chunk_counts,

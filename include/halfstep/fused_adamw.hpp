@@ -3,6 +3,7 @@
 // between (or on the host, in host-driven mode).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -23,6 +24,10 @@ enum class Backend {
   cuda,       ///< the fused kernels; ParamTensor pointers are device memory of the current device
   reference,  ///< reference::step on host memory, for machines without a GPU
 };
+
+/// Bytes of device workspace a FusedAdamW with Backend::cuda allocates for tensors of these
+/// sizes in `groups` parameter groups (the tensor table, per-chunk partials, state and report).
+std::size_t workspace_bytes(const std::vector<std::int64_t>& tensor_numels, std::size_t groups);
 
 /// The fused step over a fixed set of parameter tensors.
 ///

@@ -1,0 +1,316 @@
+// The CUDA engine: cuBLAS matrix products with fp16 operands and fp32 accumulation
+// (cublasGemmEx, CUBLAS_COMPUTE_32F), small kernels of ours for bias, activation, loss and bias
+// gradients, and halfstep's fused step. One stream; the host waits only when it reads a loss.
+//
+// Layout: activations and gradients are row-major (batch × features), which cuBLAS sees as
+// column-major (features × batch); a weight W (out × in, row-major) is column-major in × out.
+//   forward   Z  = A W^T  ->  Z_cm(out×B)  = W_cm^T(out×in) · A_cm(in×B)
+//   weight    dW = G^T A  ->  dW_cm(in×out) = A_cm(in×B) · G_cm^T(B×out)
+//   input     dA = G W    ->  dA_cm(in×B)  = W_cm(in×out) · G_cm(out×B)
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "model.hpp"
+
+namespace train {
+namespace {
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+  }
+}
+void check(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw std::runtime_error(std::string(what) + ": " + cublasGetStatusString(status));
+  }
+}
+#define TRAIN_CHECK(expr) check((expr), #expr)
+#define TRAIN_LAUNCHED() check(cudaGetLastError(), "kernel launch")
+
+// Hidden layer: a = fp16(relu(z + b)).
+__global__ void bias_relu_kernel(const float* z, const __half* bias, __half* a, int rows, int cols) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<long long>(rows) * cols) return;
+  const float x = z[i] + __half2float(bias[i % cols]);
+  a[i] = __float2half_rn(fmaxf(x, 0.0f));
+}
+
+// Output layer: z += b, kept in fp32 for the loss.
+__global__ void bias_kernel(float* z, const __half* bias, int rows, int cols) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<long long>(rows) * cols) return;
+  z[i] += __half2float(bias[i % cols]);
+}
+
+// Mean squared error in fp32 and its gradient 2(pred - y)/n, seeded with the loss scale read from
+// device memory (times `factor` for an injected spike) and written in fp16. One block; the loss
+// is reduced in a fixed order.
+constexpr int kLossThreads = 1024;
+__global__ void mse_kernel(const float* pred, const float* y, int n, const float* loss_scale,
+                           float factor, __half* grad, float* loss_out) {
+  __shared__ double partial[kLossThreads];
+  const float seed = *loss_scale * factor;
+  double sum = 0.0;
+  for (int i = threadIdx.x; i < n; i += kLossThreads) {
+    const float e = pred[i] - y[i];
+    sum += static_cast<double>(e) * e;
+    grad[i] = __float2half_rn(seed * (2.0f * e / static_cast<float>(n)));
+  }
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  for (int stride = kLossThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *loss_out = static_cast<float>(partial[0] / n);
+}
+
+// db[c] = fp16(sum over the batch of g[r][c]), accumulated in fp32.
+__global__ void bias_grad_kernel(const __half* g, __half* db, int rows, int cols) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float sum = 0.0f;
+  for (int r = 0; r < rows; ++r) sum += __half2float(g[static_cast<long long>(r) * cols + c]);
+  db[c] = __float2half_rn(sum);
+}
+
+// ReLU backward: the gradient passes where the stored activation is positive.
+__global__ void relu_backward_kernel(__half* g, const __half* a, long long n) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  if (!(__half2float(a[i]) > 0.0f)) g[i] = __float2half_rn(0.0f);
+}
+
+unsigned blocks_for(long long n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+template <class T>
+T* device_alloc(std::size_t count) {
+  void* p = nullptr;
+  TRAIN_CHECK(cudaMalloc(&p, count * sizeof(T) + 16));
+  return static_cast<T*>(p);
+}
+
+std::vector<std::uint16_t> to_half_bits(const std::vector<float>& x) {
+  std::vector<std::uint16_t> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = halfstep::to_f16_bits(x[i]);
+  return out;
+}
+
+class CudaEngine final : public Engine {
+ public:
+  CudaEngine(const Dims& dims, const Dataset& data, const std::vector<std::vector<float>>& masters,
+             std::int64_t steps)
+      : dims_(dims) {
+    TRAIN_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    TRAIN_CHECK(cublasCreate(&blas_));
+    TRAIN_CHECK(cublasSetStream(blas_, stream_));
+    const auto shapes = tensor_shapes(dims);
+    for (std::size_t t = 0; t < shapes.size(); ++t) {
+      const auto n = static_cast<std::size_t>(shapes[t].numel);
+      Param p;
+      p.n = n;
+      p.group = shapes[t].group;
+      p.master = device_alloc<float>(n);
+      p.m = device_alloc<float>(n);
+      p.v = device_alloc<float>(n);
+      p.grad = device_alloc<__half>(n);
+      p.model = device_alloc<__half>(n);
+      params_.push_back(p);
+    }
+    const std::vector<std::vector<float>> zeros = [&] {
+      std::vector<std::vector<float>> z;
+      for (const auto& m : masters) z.emplace_back(m.size(), 0.0f);
+      return z;
+    }();
+    write_state(masters, zeros, zeros);
+
+    const std::vector<std::uint16_t> x = to_half_bits(data.x);
+    x_ = device_alloc<__half>(x.size());
+    TRAIN_CHECK(cudaMemcpy(x_, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+    y_ = device_alloc<float>(data.y.size());
+    TRAIN_CHECK(cudaMemcpy(y_, data.y.data(), data.y.size() * 4, cudaMemcpyHostToDevice));
+    const auto b = static_cast<std::size_t>(dims.batch);
+    const std::size_t widest = static_cast<std::size_t>(std::max({dims.width, dims.d_out, dims.d_in}));
+    for (int l = 1; l < dims.layers(); ++l) acts_.push_back(device_alloc<__half>(b * static_cast<std::size_t>(dims.width)));
+    z_ = device_alloc<float>(b * widest);
+    g_a_ = device_alloc<__half>(b * widest);
+    g_b_ = device_alloc<__half>(b * widest);
+    losses_ = device_alloc<float>(static_cast<std::size_t>(steps));
+  }
+
+  ~CudaEngine() override {
+    cudaStreamSynchronize(stream_);
+    for (Param& p : params_) {
+      cudaFree(p.master);
+      cudaFree(p.m);
+      cudaFree(p.v);
+      cudaFree(p.grad);
+      cudaFree(p.model);
+    }
+    for (__half* a : acts_) cudaFree(a);
+    cudaFree(x_);
+    cudaFree(y_);
+    cudaFree(z_);
+    cudaFree(g_a_);
+    cudaFree(g_b_);
+    cudaFree(losses_);
+    cublasDestroy(blas_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override {
+    cudaDeviceProp prop{};
+    int device = 0;
+    cudaGetDevice(&device);
+    cudaGetDeviceProperties(&prop, device);
+    return std::string("cuda (") + prop.name + ", cuBLAS products, halfstep fused step)";
+  }
+  halfstep::Backend backend() const override { return halfstep::Backend::cuda; }
+
+  std::vector<halfstep::ParamTensor> tensors() override {
+    std::vector<halfstep::ParamTensor> out;
+    for (Param& p : params_) {
+      out.push_back({p.master, p.grad, p.m, p.v, p.model, static_cast<std::int64_t>(p.n), p.group});
+    }
+    return out;
+  }
+
+  void forward_backward(std::int64_t step, const halfstep::FusedAdamW& opt, float grad_factor) override {
+    const int B = dims_.batch, L = dims_.layers();
+    const std::int64_t batches = dims_.samples / B;
+    const long long row0 = (step % batches) * B;
+    const float one = 1.0f, zero = 0.0f;
+    constexpr int kThreads = 256;
+
+    // Forward.
+    const __half* input = x_ + row0 * dims_.d_in;
+    for (int l = 0; l < L; ++l) {
+      const int in = dims_.fan_in(l), out = dims_.fan_out(l);
+      const Param& w = params_[static_cast<std::size_t>(2 * l)];
+      const Param& b = params_[static_cast<std::size_t>(2 * l + 1)];
+      TRAIN_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, out, B, in, &one, w.model, CUDA_R_16F,
+                               in, input, CUDA_R_16F, in, &zero, z_, CUDA_R_32F, out,
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      const long long n = static_cast<long long>(B) * out;
+      if (l < L - 1) {
+        __half* a = acts_[static_cast<std::size_t>(l)];
+        bias_relu_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_>>>(z_, b.model, a, B, out);
+        TRAIN_LAUNCHED();
+        input = a;
+      } else {
+        bias_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_>>>(z_, b.model, B, out);
+        TRAIN_LAUNCHED();
+      }
+    }
+
+    // Loss and its scaled gradient; the scale is read on the device.
+    mse_kernel<<<1, kLossThreads, 0, stream_>>>(z_, y_ + row0 * dims_.d_out, B * dims_.d_out,
+                                                opt.device_loss_scale(), grad_factor, g_a_,
+                                                losses_ + step);
+    TRAIN_LAUNCHED();
+
+    // Backward.
+    for (int l = L - 1; l >= 0; --l) {
+      const int in = dims_.fan_in(l), out = dims_.fan_out(l);
+      Param& w = params_[static_cast<std::size_t>(2 * l)];
+      Param& b = params_[static_cast<std::size_t>(2 * l + 1)];
+      const __half* a_in = l == 0 ? x_ + row0 * dims_.d_in : acts_[static_cast<std::size_t>(l - 1)];
+      TRAIN_CHECK(cublasGemmEx(blas_, CUBLAS_OP_N, CUBLAS_OP_T, in, out, B, &one, a_in, CUDA_R_16F,
+                               in, g_a_, CUDA_R_16F, out, &zero, w.grad, CUDA_R_16F, in,
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      bias_grad_kernel<<<blocks_for(out, kThreads), kThreads, 0, stream_>>>(g_a_, b.grad, B, out);
+      TRAIN_LAUNCHED();
+      if (l == 0) break;
+      TRAIN_CHECK(cublasGemmEx(blas_, CUBLAS_OP_N, CUBLAS_OP_N, in, B, out, &one, w.model, CUDA_R_16F,
+                               in, g_a_, CUDA_R_16F, out, &zero, g_b_, CUDA_R_16F, in,
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      const long long n = static_cast<long long>(B) * in;
+      relu_backward_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_>>>(g_b_, a_in, n);
+      TRAIN_LAUNCHED();
+      std::swap(g_a_, g_b_);
+    }
+  }
+
+  void step(halfstep::FusedAdamW& opt) override { opt.step(stream_); }
+
+  float loss(std::int64_t step) override {
+    TRAIN_CHECK(cudaStreamSynchronize(stream_));
+    float value = 0.0f;
+    TRAIN_CHECK(cudaMemcpy(&value, losses_ + step, sizeof value, cudaMemcpyDeviceToHost));
+    return value;
+  }
+
+  void read_state(std::vector<std::vector<float>>& master, std::vector<std::vector<float>>& m,
+                  std::vector<std::vector<float>>& v) override {
+    sync();
+    master.assign(params_.size(), {});
+    m.assign(params_.size(), {});
+    v.assign(params_.size(), {});
+    for (std::size_t t = 0; t < params_.size(); ++t) {
+      const Param& p = params_[t];
+      master[t].resize(p.n);
+      m[t].resize(p.n);
+      v[t].resize(p.n);
+      TRAIN_CHECK(cudaMemcpy(master[t].data(), p.master, p.n * 4, cudaMemcpyDeviceToHost));
+      TRAIN_CHECK(cudaMemcpy(m[t].data(), p.m, p.n * 4, cudaMemcpyDeviceToHost));
+      TRAIN_CHECK(cudaMemcpy(v[t].data(), p.v, p.n * 4, cudaMemcpyDeviceToHost));
+    }
+  }
+
+  void write_state(const std::vector<std::vector<float>>& master, const std::vector<std::vector<float>>& m,
+                   const std::vector<std::vector<float>>& v) override {
+    sync();
+    for (std::size_t t = 0; t < params_.size(); ++t) {
+      const Param& p = params_[t];
+      const std::vector<std::uint16_t> model = to_half_bits(master[t]);
+      TRAIN_CHECK(cudaMemcpy(p.master, master[t].data(), p.n * 4, cudaMemcpyHostToDevice));
+      TRAIN_CHECK(cudaMemcpy(p.m, m[t].data(), p.n * 4, cudaMemcpyHostToDevice));
+      TRAIN_CHECK(cudaMemcpy(p.v, v[t].data(), p.n * 4, cudaMemcpyHostToDevice));
+      TRAIN_CHECK(cudaMemcpy(p.model, model.data(), p.n * 2, cudaMemcpyHostToDevice));
+    }
+  }
+
+  void sync() override { TRAIN_CHECK(cudaStreamSynchronize(stream_)); }
+
+ private:
+  struct Param {
+    std::size_t n = 0;
+    std::int32_t group = 0;
+    float *master = nullptr, *m = nullptr, *v = nullptr;
+    __half *grad = nullptr, *model = nullptr;
+  };
+  Dims dims_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  std::vector<Param> params_;
+  std::vector<__half*> acts_;
+  __half* x_ = nullptr;
+  float* y_ = nullptr;
+  float* z_ = nullptr;
+  __half* g_a_ = nullptr;
+  __half* g_b_ = nullptr;
+  float* losses_ = nullptr;
+};
+
+}  // namespace
+
+bool cuda_available() {
+  int devices = 0;
+  const bool ok = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+  if (!ok) (void)cudaGetLastError();
+  return ok;
+}
+
+std::unique_ptr<Engine> make_cuda_engine(const Dims& dims, const Dataset& data,
+                                         const std::vector<std::vector<float>>& masters,
+                                         std::int64_t steps) {
+  return std::make_unique<CudaEngine>(dims, data, masters, steps);
+}
+
+}  // namespace train

@@ -1,0 +1,75 @@
+#include "model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+namespace train {
+
+std::int64_t Dims::parameters() const {
+  std::int64_t n = 0;
+  for (const TensorShape& t : tensor_shapes(*this)) n += t.numel;
+  return n;
+}
+
+std::vector<TensorShape> tensor_shapes(const Dims& dims) {
+  std::vector<TensorShape> shapes;
+  for (int l = 0; l < dims.layers(); ++l) {
+    shapes.push_back({static_cast<std::int64_t>(dims.fan_out(l)) * dims.fan_in(l), 0});
+    shapes.push_back({dims.fan_out(l), 1});
+  }
+  return shapes;
+}
+
+std::vector<float> teacher_forward(const Dims& dims, const std::vector<std::vector<float>>& w,
+                                   const float* x) {
+  std::vector<double> a(x, x + dims.d_in), next;
+  for (int l = 0; l < dims.layers(); ++l) {
+    const int in = dims.fan_in(l), out = dims.fan_out(l);
+    const std::vector<float>& weight = w[static_cast<std::size_t>(2 * l)];
+    const std::vector<float>& bias = w[static_cast<std::size_t>(2 * l + 1)];
+    next.assign(static_cast<std::size_t>(out), 0.0);
+    for (int o = 0; o < out; ++o) {
+      double z = bias[static_cast<std::size_t>(o)];
+      for (int i = 0; i < in; ++i) z += static_cast<double>(weight[static_cast<std::size_t>(o) * static_cast<std::size_t>(in) + static_cast<std::size_t>(i)]) * a[static_cast<std::size_t>(i)];
+      next[static_cast<std::size_t>(o)] = l == dims.layers() - 1 ? z : std::max(z, 0.0);
+    }
+    a.swap(next);
+  }
+  return std::vector<float>(a.begin(), a.end());
+}
+
+Dataset make_dataset(const Dims& dims, const std::vector<std::vector<float>>& teacher,
+                     std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Dataset d;
+  const auto n = static_cast<std::size_t>(dims.samples);
+  d.x.resize(n * static_cast<std::size_t>(dims.d_in));
+  d.y.resize(n * static_cast<std::size_t>(dims.d_out));
+  for (std::size_t s = 0; s < n; ++s) {
+    float* x = &d.x[s * static_cast<std::size_t>(dims.d_in)];
+    for (int i = 0; i < dims.d_in; ++i) {
+      x[i] = static_cast<float>(halfstep::from_f16_bits(halfstep::to_f16_bits(normal(rng))));
+    }
+    const std::vector<float> y = teacher_forward(dims, teacher, x);
+    std::copy(y.begin(), y.end(), &d.y[s * static_cast<std::size_t>(dims.d_out)]);
+  }
+  return d;
+}
+
+std::vector<std::vector<float>> initial_masters(const Dims& dims, std::uint64_t seed) {
+  std::mt19937_64 rng(seed ^ 0x9E3779B97F4A7C15ull);
+  std::vector<std::vector<float>> masters;
+  for (int l = 0; l < dims.layers(); ++l) {
+    const double sd = std::sqrt((l == dims.layers() - 1 ? 1.0 : 2.0) / dims.fan_in(l));
+    std::normal_distribution<double> normal(0.0, sd);
+    std::vector<float> w(static_cast<std::size_t>(dims.fan_out(l)) * static_cast<std::size_t>(dims.fan_in(l)));
+    for (float& x : w) x = static_cast<float>(normal(rng));
+    masters.push_back(std::move(w));
+    masters.emplace_back(static_cast<std::size_t>(dims.fan_out(l)), 0.0f);
+  }
+  return masters;
+}
+
+}  // namespace train

@@ -1,0 +1,101 @@
+// halfstep-train: the network, the synthetic task and the engines that run them.
+//
+// The task: regression onto a fixed random "teacher" network, y = T(x) with x ~ N(0, I). The
+// student is an MLP (ReLU hidden layers) trained with mean squared error. Mixed precision as the
+// field does it: fp16 weights (the model copy halfstep writes) and fp16 activations feed the
+// matrix products, which accumulate in fp32; the loss and its gradient are fp32; the backward
+// pass is seeded with the loss scale and writes fp16 gradients; halfstep steps the fp32 masters.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <halfstep/halfstep.hpp>
+
+namespace train {
+
+/// Shape of the student network and of one batch.
+struct Dims {
+  int d_in = 64;          // input features
+  int width = 256;        // hidden width
+  int hidden_layers = 3;  // ReLU layers; the network has hidden_layers + 1 linear layers
+  int d_out = 16;         // outputs
+  int batch = 128;        // samples per step
+  int samples = 8192;     // dataset size (a multiple of batch)
+
+  int layers() const { return hidden_layers + 1; }
+  int fan_in(int l) const { return l == 0 ? d_in : width; }
+  int fan_out(int l) const { return l == layers() - 1 ? d_out : width; }
+  std::int64_t parameters() const;
+};
+
+/// The dataset: x ~ N(0, I) (samples × d_in, already rounded to fp16 values, as the network
+/// sees them) and y = teacher(x) computed in double (samples × d_out, fp32). Row-major. The
+/// teacher has the student's architecture, so the task is exactly learnable.
+struct Dataset {
+  std::vector<float> x, y;
+};
+Dataset make_dataset(const Dims& dims, const std::vector<std::vector<float>>& teacher,
+                     std::uint64_t seed);
+
+/// The network with weights `w` (tensor_shapes order) applied to one input, in double.
+std::vector<float> teacher_forward(const Dims& dims, const std::vector<std::vector<float>>& w,
+                                   const float* x);
+
+/// Parameter tensor t: 2l is layer l's weight (fan_out × fan_in, row-major), 2l + 1 its bias.
+struct TensorShape {
+  std::int64_t numel;
+  std::int32_t group;  // 0: weights (weight decay), 1: biases (none)
+};
+std::vector<TensorShape> tensor_shapes(const Dims& dims);
+
+/// Initial fp32 masters: He-normal weights, zero biases.
+std::vector<std::vector<float>> initial_masters(const Dims& dims, std::uint64_t seed);
+
+/// Runs the network's forward and backward passes and owns the buffers halfstep updates.
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  /// "cuda" or "cpu (reference backend)".
+  virtual std::string name() const = 0;
+  /// Where FusedAdamW runs for this engine.
+  virtual halfstep::Backend backend() const = 0;
+  /// The parameter tensors, in tensor_shapes order.
+  virtual std::vector<halfstep::ParamTensor> tensors() = 0;
+  /// Forward, loss and backward on batch `step`, seeded with the loss scale `opt` holds (read
+  /// on the device, no synchronisation) times `grad_factor` (1 except for injected spikes).
+  virtual void forward_backward(std::int64_t step, const halfstep::FusedAdamW& opt, float grad_factor) = 0;
+  /// Enqueues the optimizer step after forward_backward.
+  virtual void step(halfstep::FusedAdamW& opt) = 0;
+  /// The loss of batch `step` (waits for it).
+  virtual float loss(std::int64_t step) = 0;
+  /// Copies masters, moments and model copies out (for checkpoints); waits.
+  virtual void read_state(std::vector<std::vector<float>>& master, std::vector<std::vector<float>>& m,
+                          std::vector<std::vector<float>>& v) = 0;
+  /// Restores masters and moments; the model copies become the masters rounded to fp16.
+  virtual void write_state(const std::vector<std::vector<float>>& master,
+                           const std::vector<std::vector<float>>& m,
+                           const std::vector<std::vector<float>>& v) = 0;
+  /// Waits for everything enqueued.
+  virtual void sync() = 0;
+};
+
+/// The CPU engine: OpenBLAS products on fp16-rounded operands with fp32 accumulation, and
+/// halfstep's reference backend.
+std::unique_ptr<Engine> make_cpu_engine(const Dims& dims, const Dataset& data,
+                                        const std::vector<std::vector<float>>& masters,
+                                        std::int64_t steps);
+
+/// The CUDA engine: cuBLAS products (cublasGemmEx, fp16 operands, CUBLAS_COMPUTE_32F) and
+/// halfstep's fused CUDA step. Throws if no device is present.
+std::unique_ptr<Engine> make_cuda_engine(const Dims& dims, const Dataset& data,
+                                         const std::vector<std::vector<float>>& masters,
+                                         std::int64_t steps);
+
+/// True when a CUDA device is present.
+bool cuda_available();
+
+}  // namespace train
