@@ -5,5 +5,6 @@
 function(halfstep_warnings target)
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wshadow -Wconversion -Werror>
+    $<$<COMPILE_LANGUAGE:C>:-Wall -Wextra -Wconversion -Werror>
     $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror>)
 endfunction()

@@ -1,0 +1,113 @@
+/* halfstep: a C API over halfstep::FusedAdamW, for bindings (Python ctypes, other languages).
+ * Every function that can fail returns a halfstep_status; halfstep_last_error() then holds a
+ * message naming the argument and the rule (per thread). No C++ exception crosses this API. */
+#ifndef HALFSTEP_HALFSTEP_H
+#define HALFSTEP_HALFSTEP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Outcome of a call. */
+typedef enum halfstep_status {
+  HALFSTEP_OK = 0,
+  HALFSTEP_ERROR_INVALID_ARGUMENT = 1, /**< an argument broke a rule; nothing changed */
+  HALFSTEP_ERROR_CORRUPT_STATE = 2,    /**< a checkpoint could not be decoded; nothing changed */
+  HALFSTEP_ERROR_CUDA = 3,             /**< a CUDA call or launch failed */
+  HALFSTEP_ERROR_USAGE = 4,            /**< not allowed now (e.g. a report before any step) */
+  HALFSTEP_ERROR_INTERNAL = 5          /**< anything else (out of host memory, ...) */
+} halfstep_status;
+
+/** Element formats (halfstep::DType). */
+enum { HALFSTEP_F16 = 0, HALFSTEP_BF16 = 1, HALFSTEP_F32 = 2 };
+/** Backends (halfstep::Backend). */
+enum { HALFSTEP_BACKEND_CUDA = 0, HALFSTEP_BACKEND_REFERENCE = 1 };
+/** Step outcomes (halfstep::Outcome). */
+enum { HALFSTEP_APPLIED = 0, HALFSTEP_SKIPPED_OVERFLOW = 1, HALFSTEP_SKIPPED_SPIKE = 2 };
+
+/** One parameter tensor (halfstep::ParamTensor). */
+typedef struct halfstep_tensor {
+  float* master;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* model; /**< may be NULL */
+  int64_t numel;
+  int32_t group;
+} halfstep_tensor;
+
+/** One parameter group (halfstep::AdamWConfig); booleans are 0 or 1. */
+typedef struct halfstep_group {
+  float lr, beta1, beta2, eps, weight_decay;
+  int32_t decoupled_weight_decay, bias_correction;
+} halfstep_group;
+
+/** Everything else of halfstep::StepConfig, flattened; fill with halfstep_config_init. */
+typedef struct halfstep_config {
+  int32_t grad_dtype, model_dtype, backend, host_driven;
+  float max_grad_norm;
+  float init_scale, growth_factor, backoff_factor, min_scale, max_scale;
+  int32_t growth_interval, hysteresis, consecutive_hysteresis, headroom_growth;
+  float headroom_margin_log2;
+  int32_t spike_enabled, spike_skip, spike_warmup_steps, spike_max_consecutive;
+  float spike_z_threshold, spike_ema_beta, spike_min_std;
+} halfstep_config;
+
+/** A step's report (halfstep::StepReport). */
+typedef struct halfstep_report {
+  int64_t attempt, step;
+  int32_t outcome, spike;
+  float scale_used, scale_next;
+  double grad_norm;
+  float clip_coef;
+  int64_t nonfinite_count;
+  int32_t first_nonfinite_tensor;
+  float max_abs_scaled, headroom_log2;
+  int64_t subnormal_count, zero_count, numel;
+} halfstep_report;
+
+typedef struct halfstep_optimizer halfstep_optimizer;
+
+/** Fills `config` with halfstep's defaults (CUDA backend, fp16, no clipping, spike off). */
+void halfstep_config_init(halfstep_config* config);
+/** Fills `group` with AdamW's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, no decay). */
+void halfstep_group_init(halfstep_group* group);
+
+/** Validates everything and builds the step; *out receives the optimizer. */
+halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
+                                const halfstep_group* groups, int32_t n_groups,
+                                const halfstep_config* config, halfstep_optimizer** out);
+/** Releases the optimizer (NULL is fine). */
+void halfstep_destroy(halfstep_optimizer* opt);
+
+/** Enqueues one step on `stream` (a cudaStream_t; NULL: the default stream). */
+halfstep_status halfstep_step(halfstep_optimizer* opt, void* stream);
+/** The last step's report; waits for that step. */
+halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* out);
+/** Per-tensor inf/NaN counts of the last step into out[0 .. n_tensors). */
+halfstep_status halfstep_nonfinite_counts(halfstep_optimizer* opt, int64_t* out, int64_t n_tensors);
+/** Sets a group's learning rate, ordered on `stream`. */
+halfstep_status halfstep_set_lr(halfstep_optimizer* opt, int32_t group, float lr, void* stream);
+/** The loss scale for the next step; waits for the last step. */
+halfstep_status halfstep_loss_scale(halfstep_optimizer* opt, float* out);
+/** Device memory holding the loss scale (host memory for the reference backend); NULL on error. */
+const float* halfstep_device_loss_scale(halfstep_optimizer* opt);
+/** Applied steps and attempts so far; waits for the last step. */
+halfstep_status halfstep_step_count(halfstep_optimizer* opt, int64_t* applied, int64_t* attempts);
+/** Writes the checkpoint into `buffer` (capacity bytes) and its size into *size. With a NULL
+ *  buffer only *size is written. A buffer that is too small is an invalid argument. */
+halfstep_status halfstep_save_state(halfstep_optimizer* opt, void* buffer, size_t capacity, size_t* size);
+/** Restores a checkpoint; on error the state is unchanged. */
+halfstep_status halfstep_load_state(halfstep_optimizer* opt, const void* data, size_t size);
+
+/** The message of this thread's last failed call ("" if none). */
+const char* halfstep_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* HALFSTEP_HALFSTEP_H */

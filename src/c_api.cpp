@@ -1,0 +1,257 @@
+// The C API: converts C structs to halfstep's C++ types, and every exception into a status code
+// plus a per-thread message.
+#include "halfstep/halfstep.h"
+
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "halfstep/error.hpp"
+#include "halfstep/fused_adamw.hpp"
+
+struct halfstep_optimizer {
+  halfstep::FusedAdamW opt;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+halfstep_status fail(halfstep_status status, const char* message) {
+  g_last_error = message;
+  return status;
+}
+
+// Runs `f`, mapping each exception to its status.
+template <class F>
+halfstep_status guarded(F&& f) {
+  try {
+    f();
+    return HALFSTEP_OK;
+  } catch (const halfstep::Error& e) {
+    switch (e.kind()) {
+      case halfstep::ErrorKind::invalid_argument: return fail(HALFSTEP_ERROR_INVALID_ARGUMENT, e.what());
+      case halfstep::ErrorKind::corrupt_state: return fail(HALFSTEP_ERROR_CORRUPT_STATE, e.what());
+      case halfstep::ErrorKind::cuda: return fail(HALFSTEP_ERROR_CUDA, e.what());
+      case halfstep::ErrorKind::usage: return fail(HALFSTEP_ERROR_USAGE, e.what());
+    }
+    return fail(HALFSTEP_ERROR_INTERNAL, e.what());
+  } catch (const std::bad_alloc&) {
+    return fail(HALFSTEP_ERROR_INTERNAL, "out of host memory");
+  } catch (const std::exception& e) {
+    return fail(HALFSTEP_ERROR_INTERNAL, e.what());
+  } catch (...) {
+    return fail(HALFSTEP_ERROR_INTERNAL, "unknown error");
+  }
+}
+
+void require(bool ok, const char* message) {
+  if (!ok) throw halfstep::Error(halfstep::ErrorKind::invalid_argument, message);
+}
+
+halfstep::DType dtype(int32_t code, const char* field) {
+  switch (code) {
+    case HALFSTEP_F16: return halfstep::DType::f16;
+    case HALFSTEP_BF16: return halfstep::DType::bf16;
+    case HALFSTEP_F32: return halfstep::DType::f32;
+  }
+  throw halfstep::Error(halfstep::ErrorKind::invalid_argument,
+                        std::string(field) + " must be HALFSTEP_F16, HALFSTEP_BF16 or HALFSTEP_F32, got " +
+                            std::to_string(code));
+}
+
+halfstep::StepConfig step_config(const halfstep_group* groups, int32_t n_groups,
+                                 const halfstep_config& c) {
+  require(n_groups >= 1 && groups != nullptr, "groups must point to n_groups >= 1 halfstep_group");
+  halfstep::StepConfig s;
+  s.groups.clear();
+  for (int32_t g = 0; g < n_groups; ++g) {
+    halfstep::AdamWConfig h;
+    h.lr = groups[g].lr;
+    h.beta1 = groups[g].beta1;
+    h.beta2 = groups[g].beta2;
+    h.eps = groups[g].eps;
+    h.weight_decay = groups[g].weight_decay;
+    h.decoupled_weight_decay = groups[g].decoupled_weight_decay != 0;
+    h.bias_correction = groups[g].bias_correction != 0;
+    s.groups.push_back(h);
+  }
+  s.grad_dtype = dtype(c.grad_dtype, "halfstep_config.grad_dtype");
+  s.model_dtype = dtype(c.model_dtype, "halfstep_config.model_dtype");
+  s.max_grad_norm = c.max_grad_norm;
+  s.host_driven = c.host_driven != 0;
+  s.scaler.init_scale = c.init_scale;
+  s.scaler.growth_factor = c.growth_factor;
+  s.scaler.backoff_factor = c.backoff_factor;
+  s.scaler.min_scale = c.min_scale;
+  s.scaler.max_scale = c.max_scale;
+  s.scaler.growth_interval = c.growth_interval;
+  s.scaler.hysteresis = c.hysteresis;
+  s.scaler.consecutive_hysteresis = c.consecutive_hysteresis != 0;
+  s.scaler.headroom_growth = c.headroom_growth != 0;
+  s.scaler.headroom_margin_log2 = c.headroom_margin_log2;
+  s.spike.enabled = c.spike_enabled != 0;
+  s.spike.action = c.spike_skip ? halfstep::SpikeConfig::Action::skip : halfstep::SpikeConfig::Action::log;
+  s.spike.warmup_steps = c.spike_warmup_steps;
+  s.spike.max_consecutive = c.spike_max_consecutive;
+  s.spike.z_threshold = c.spike_z_threshold;
+  s.spike.ema_beta = c.spike_ema_beta;
+  s.spike.min_std = c.spike_min_std;
+  return s;
+}
+
+}  // namespace
+
+extern "C" {
+
+void halfstep_config_init(halfstep_config* c) {
+  if (c == nullptr) return;
+  const halfstep::StepConfig s;
+  std::memset(c, 0, sizeof *c);
+  c->grad_dtype = HALFSTEP_F16;
+  c->model_dtype = HALFSTEP_F16;
+  c->backend = HALFSTEP_BACKEND_CUDA;
+  c->max_grad_norm = s.max_grad_norm;
+  c->init_scale = s.scaler.init_scale;
+  c->growth_factor = s.scaler.growth_factor;
+  c->backoff_factor = s.scaler.backoff_factor;
+  c->min_scale = s.scaler.min_scale;
+  c->max_scale = s.scaler.max_scale;
+  c->growth_interval = s.scaler.growth_interval;
+  c->hysteresis = s.scaler.hysteresis;
+  c->headroom_margin_log2 = s.scaler.headroom_margin_log2;
+  c->spike_warmup_steps = s.spike.warmup_steps;
+  c->spike_max_consecutive = s.spike.max_consecutive;
+  c->spike_z_threshold = s.spike.z_threshold;
+  c->spike_ema_beta = s.spike.ema_beta;
+  c->spike_min_std = s.spike.min_std;
+}
+
+void halfstep_group_init(halfstep_group* g) {
+  if (g == nullptr) return;
+  const halfstep::AdamWConfig h;
+  g->lr = h.lr;
+  g->beta1 = h.beta1;
+  g->beta2 = h.beta2;
+  g->eps = h.eps;
+  g->weight_decay = h.weight_decay;
+  g->decoupled_weight_decay = h.decoupled_weight_decay ? 1 : 0;
+  g->bias_correction = h.bias_correction ? 1 : 0;
+}
+
+halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
+                                const halfstep_group* groups, int32_t n_groups,
+                                const halfstep_config* config, halfstep_optimizer** out) {
+  return guarded([&] {
+    require(out != nullptr, "out must not be NULL");
+    *out = nullptr;
+    require(config != nullptr, "config must not be NULL");
+    require(n_tensors >= 0, "n_tensors must be >= 0");
+    require(n_tensors == 0 || tensors != nullptr, "tensors must not be NULL when n_tensors > 0");
+    require(config->backend == HALFSTEP_BACKEND_CUDA || config->backend == HALFSTEP_BACKEND_REFERENCE,
+            "halfstep_config.backend must be HALFSTEP_BACKEND_CUDA or HALFSTEP_BACKEND_REFERENCE");
+    std::vector<halfstep::ParamTensor> list(static_cast<std::size_t>(n_tensors));
+    for (int64_t t = 0; t < n_tensors; ++t) {
+      const halfstep_tensor& c = tensors[t];
+      list[static_cast<std::size_t>(t)] = {c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.model, c.numel, c.group};
+    }
+    const halfstep::Backend backend =
+        config->backend == HALFSTEP_BACKEND_CUDA ? halfstep::Backend::cuda : halfstep::Backend::reference;
+    *out = new halfstep_optimizer{halfstep::FusedAdamW(list, step_config(groups, n_groups, *config), backend)};
+  });
+}
+
+void halfstep_destroy(halfstep_optimizer* opt) { delete opt; }
+
+halfstep_status halfstep_step(halfstep_optimizer* opt, void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.step(static_cast<halfstep::Stream>(stream));
+  });
+}
+
+halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* out) {
+  return guarded([&] {
+    require(opt != nullptr && out != nullptr, "opt and out must not be NULL");
+    const halfstep::StepReport r = opt->opt.last_report();
+    out->attempt = r.attempt;
+    out->step = r.step;
+    out->outcome = static_cast<int32_t>(r.outcome);
+    out->spike = r.spike ? 1 : 0;
+    out->scale_used = r.scale_used;
+    out->scale_next = r.scale_next;
+    out->grad_norm = r.grad_norm;
+    out->clip_coef = r.clip_coef;
+    out->nonfinite_count = r.nonfinite_count;
+    out->first_nonfinite_tensor = r.first_nonfinite_tensor;
+    out->max_abs_scaled = r.max_abs_scaled;
+    out->headroom_log2 = r.headroom_log2;
+    out->subnormal_count = r.subnormal_count;
+    out->zero_count = r.zero_count;
+    out->numel = r.numel;
+  });
+}
+
+halfstep_status halfstep_nonfinite_counts(halfstep_optimizer* opt, int64_t* out, int64_t n_tensors) {
+  return guarded([&] {
+    require(opt != nullptr && out != nullptr, "opt and out must not be NULL");
+    const std::vector<std::int64_t> counts = opt->opt.nonfinite_counts();
+    require(n_tensors == static_cast<int64_t>(counts.size()), "n_tensors must equal the optimizer's tensor count");
+    std::memcpy(out, counts.data(), counts.size() * sizeof(int64_t));
+  });
+}
+
+halfstep_status halfstep_set_lr(halfstep_optimizer* opt, int32_t group, float lr, void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.set_lr(group, lr, static_cast<halfstep::Stream>(stream));
+  });
+}
+
+halfstep_status halfstep_loss_scale(halfstep_optimizer* opt, float* out) {
+  return guarded([&] {
+    require(opt != nullptr && out != nullptr, "opt and out must not be NULL");
+    *out = opt->opt.loss_scale();
+  });
+}
+
+const float* halfstep_device_loss_scale(halfstep_optimizer* opt) {
+  if (opt == nullptr) {
+    fail(HALFSTEP_ERROR_INVALID_ARGUMENT, "opt must not be NULL");
+    return nullptr;
+  }
+  return opt->opt.device_loss_scale();
+}
+
+halfstep_status halfstep_step_count(halfstep_optimizer* opt, int64_t* applied, int64_t* attempts) {
+  return guarded([&] {
+    require(opt != nullptr && applied != nullptr && attempts != nullptr,
+            "opt, applied and attempts must not be NULL");
+    const halfstep::OptimizerState s = opt->opt.state();
+    *applied = s.step;
+    *attempts = s.attempts;
+  });
+}
+
+halfstep_status halfstep_save_state(halfstep_optimizer* opt, void* buffer, size_t capacity, size_t* size) {
+  return guarded([&] {
+    require(opt != nullptr && size != nullptr, "opt and size must not be NULL");
+    const std::string bytes = opt->opt.save_state();
+    *size = bytes.size();
+    if (buffer == nullptr) return;
+    require(capacity >= bytes.size(), "capacity is smaller than the checkpoint (query *size first)");
+    std::memcpy(buffer, bytes.data(), bytes.size());
+  });
+}
+
+halfstep_status halfstep_load_state(halfstep_optimizer* opt, const void* data, size_t size) {
+  return guarded([&] {
+    require(opt != nullptr && (data != nullptr || size == 0), "opt and data must not be NULL");
+    opt->opt.load_state(std::string_view(static_cast<const char*>(data), size));
+  });
+}
+
+const char* halfstep_last_error(void) { return g_last_error.c_str(); }
+
+}  // extern "C"

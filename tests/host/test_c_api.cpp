@@ -1,0 +1,164 @@
+// The C API over FusedAdamW, on the reference backend: the same results as the C++ API, errors as
+// status codes with messages, checkpoints through caller-owned buffers.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "halfstep/halfstep.h"
+#include "halfstep/reference.hpp"
+#include "host_buffers.hpp"
+
+using halfstep_test::HostModel;
+using halfstep_test::random_tensor;
+
+namespace {
+
+std::vector<halfstep_tensor> c_tensors(HostModel& m) {
+  std::vector<halfstep_tensor> out;
+  for (const halfstep::ParamTensor& p : m.views()) {
+    out.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group});
+  }
+  return out;
+}
+
+HostModel model(std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  HostModel m;
+  for (std::int64_t n : {40, 0, 9}) {
+    m.tensors.push_back(random_tensor(rng, n, halfstep::DType::f16, halfstep::DType::f16, 65536.0f));
+  }
+  return m;
+}
+
+halfstep_config reference_config() {
+  halfstep_config c;
+  halfstep_config_init(&c);
+  c.backend = HALFSTEP_BACKEND_REFERENCE;
+  c.max_grad_norm = 1.0f;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("c api defaults match the C++ defaults", "[c_api]") {
+  halfstep_config c;
+  halfstep_config_init(&c);
+  const halfstep::StepConfig s;
+  CHECK(c.init_scale == s.scaler.init_scale);
+  CHECK(c.growth_interval == s.scaler.growth_interval);
+  CHECK(c.spike_enabled == 0);
+  CHECK(c.backend == HALFSTEP_BACKEND_CUDA);
+  halfstep_group g;
+  halfstep_group_init(&g);
+  CHECK(g.lr == s.groups[0].lr);
+  CHECK(g.beta2 == s.groups[0].beta2);
+  CHECK(g.decoupled_weight_decay == 1);
+}
+
+TEST_CASE("c api steps exactly like the C++ reference step", "[c_api]") {
+  HostModel a = model(60), b = a;
+  auto ts = c_tensors(a);
+  halfstep_group g;
+  halfstep_group_init(&g);
+  const halfstep_config c = reference_config();
+  halfstep_optimizer* opt = nullptr;
+  REQUIRE(halfstep_create(ts.data(), static_cast<int64_t>(ts.size()), &g, 1, &c, &opt) == HALFSTEP_OK);
+  REQUIRE(opt != nullptr);
+  halfstep::StepConfig sc;
+  sc.max_grad_norm = 1.0f;
+  halfstep::OptimizerState s = halfstep::OptimizerState::initial(sc);
+  for (int i = 0; i < 5; ++i) {
+    if (i == 2) a.tensors[2].grad[3] = b.tensors[2].grad[3] = 0x7C00;
+    if (i == 3) a.tensors[2].grad[3] = b.tensors[2].grad[3] = 0x3C00;
+    REQUIRE(halfstep_step(opt, nullptr) == HALFSTEP_OK);
+    const halfstep::StepReport want = halfstep::reference::step(b.views(), sc, s);
+    halfstep_report got;
+    REQUIRE(halfstep_last_report(opt, &got) == HALFSTEP_OK);
+    CHECK(got.outcome == static_cast<int32_t>(want.outcome));
+    CHECK(got.attempt == want.attempt);
+    CHECK(got.scale_next == want.scale_next);
+    CHECK(got.first_nonfinite_tensor == want.first_nonfinite_tensor);
+    for (std::size_t t = 0; t < a.tensors.size(); ++t) CHECK(a.tensors[t] == b.tensors[t]);
+  }
+  int64_t applied = 0, attempts = 0;
+  REQUIRE(halfstep_step_count(opt, &applied, &attempts) == HALFSTEP_OK);
+  CHECK(applied == 4);
+  CHECK(attempts == 5);
+  float scale = 0.0f;
+  REQUIRE(halfstep_loss_scale(opt, &scale) == HALFSTEP_OK);
+  CHECK(scale == 32768.0f);
+  CHECK(*halfstep_device_loss_scale(opt) == 32768.0f);
+  halfstep_destroy(opt);
+}
+
+TEST_CASE("c api reports errors as codes with a message", "[c_api]") {
+  HostModel m = model(61);
+  auto ts = c_tensors(m);
+  halfstep_group g;
+  halfstep_group_init(&g);
+  halfstep_config c = reference_config();
+  halfstep_optimizer* opt = reinterpret_cast<halfstep_optimizer*>(0x1);
+  ts[2].grad = nullptr;
+  CHECK(halfstep_create(ts.data(), 3, &g, 1, &c, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  CHECK(opt == nullptr);
+  CHECK_THAT(halfstep_last_error(), Catch::Contains("tensors[2].grad is null"));
+  ts = c_tensors(m);
+  c.grad_dtype = 7;
+  CHECK(halfstep_create(ts.data(), 3, &g, 1, &c, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(halfstep_last_error(), Catch::Contains("halfstep_config.grad_dtype"));
+  c = reference_config();
+  c.backoff_factor = 3.0f;
+  CHECK(halfstep_create(ts.data(), 3, &g, 1, &c, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(halfstep_last_error(), Catch::Contains("ScalerConfig.backoff_factor"));
+  CHECK(halfstep_create(ts.data(), 3, &g, 0, &c, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  c = reference_config();
+  REQUIRE(halfstep_create(ts.data(), 3, &g, 1, &c, &opt) == HALFSTEP_OK);
+  halfstep_report r;
+  CHECK(halfstep_last_report(opt, &r) == HALFSTEP_ERROR_USAGE);
+  CHECK(halfstep_set_lr(opt, 3, 0.1f, nullptr) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(halfstep_last_error(), Catch::Contains("group must name one of the 1"));
+  CHECK(halfstep_step(nullptr, nullptr) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  CHECK(halfstep_device_loss_scale(nullptr) == nullptr);
+  halfstep_destroy(opt);
+  halfstep_destroy(nullptr);
+}
+
+TEST_CASE("c api checkpoints through caller buffers and refuses corrupt ones", "[c_api]") {
+  HostModel m = model(62);
+  auto ts = c_tensors(m);
+  halfstep_group g;
+  halfstep_group_init(&g);
+  const halfstep_config c = reference_config();
+  halfstep_optimizer* opt = nullptr;
+  REQUIRE(halfstep_create(ts.data(), 3, &g, 1, &c, &opt) == HALFSTEP_OK);
+  REQUIRE(halfstep_step(opt, nullptr) == HALFSTEP_OK);
+  size_t size = 0;
+  REQUIRE(halfstep_save_state(opt, nullptr, 0, &size) == HALFSTEP_OK);
+  std::vector<unsigned char> buf(size);
+  CHECK(halfstep_save_state(opt, buf.data(), size - 1, &size) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  REQUIRE(halfstep_save_state(opt, buf.data(), buf.size(), &size) == HALFSTEP_OK);
+  REQUIRE(halfstep_step(opt, nullptr) == HALFSTEP_OK);
+  std::vector<unsigned char> bad = buf;
+  bad[20] ^= 0x40;
+  CHECK(halfstep_load_state(opt, bad.data(), bad.size()) == HALFSTEP_ERROR_CORRUPT_STATE);
+  CHECK_THAT(halfstep_last_error(), Catch::Contains("checksum mismatch"));
+  int64_t applied = 0, attempts = 0;
+  REQUIRE(halfstep_step_count(opt, &applied, &attempts) == HALFSTEP_OK);
+  CHECK(attempts == 2);  // unchanged by the refused load
+  REQUIRE(halfstep_load_state(opt, buf.data(), buf.size()) == HALFSTEP_OK);
+  REQUIRE(halfstep_step_count(opt, &applied, &attempts) == HALFSTEP_OK);
+  CHECK(attempts == 1);
+  std::vector<int64_t> counts(3, -1);
+  REQUIRE(halfstep_nonfinite_counts(opt, counts.data(), 3) == HALFSTEP_OK);
+  CHECK(counts == std::vector<int64_t>{0, 0, 0});
+  CHECK(halfstep_nonfinite_counts(opt, counts.data(), 2) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  halfstep_destroy(opt);
+}
+
+extern "C" int halfstep_c_api_compiles(void);
+
+TEST_CASE("the C header compiles and works from a C translation unit", "[c_api]") {
+  CHECK(halfstep_c_api_compiles() == 0);
+}
