@@ -249,6 +249,22 @@ class CudaImpl final : public FusedAdamW::Impl {
   std::int64_t chunk_count() const override { return n_chunks_; }
   int launches_per_step() const override { return n_chunks_ > 0 ? 3 : 1; }
 
+  void enqueue_pass(int pass, Stream stream) override {
+    switch (pass) {
+      case kCheckAndNorm:
+        launch_check_and_norm(config_.grad_dtype, d_tensors_, d_chunks_, n_chunks_, d_partials_, stream);
+        return;
+      case kFinalize:
+        launch_finalize(finalize_, stream);
+        return;
+      case kApply:
+        launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
+                     d_decision_, d_consts_, stream);
+        return;
+    }
+    throw Error(ErrorKind::invalid_argument, concat("enqueue_pass: no pass ", pass));
+  }
+
  private:
   template <class T>
   void upload(T* dst, const T* src, std::size_t count) {

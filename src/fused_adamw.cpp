@@ -55,6 +55,9 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   const StepConfig& config() const override { return config_; }
   std::int64_t chunk_count() const override { return 0; }
   int launches_per_step() const override { return 0; }
+  void enqueue_pass(int, Stream) override {
+    throw Error(ErrorKind::usage, "enqueue_pass: the reference backend has no device passes");
+  }
 
  private:
   void require_step() const {

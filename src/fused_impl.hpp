@@ -20,9 +20,19 @@ struct FusedAdamW::Impl {
   virtual const StepConfig& config() const = 0;
   virtual std::int64_t chunk_count() const = 0;
   virtual int launches_per_step() const = 0;
+  /// Enqueues one pass of a device-resident step alone (Backend::cuda only; for benchmarks).
+  virtual void enqueue_pass(int pass, Stream stream) = 0;
 };
 
 namespace detail {
+
+/// The passes of a step, for timing them one by one.
+enum Pass : int { kCheckAndNorm = 0, kFinalize = 1, kApply = 2 };
+
+/// Reaches a FusedAdamW's backend (benchmarks only).
+struct FusedAccess {
+  static FusedAdamW::Impl& impl(FusedAdamW& f) { return *f.impl_; }
+};
 
 std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTensor>& tensors,
                                                       const StepConfig& config);

@@ -298,6 +298,12 @@ void trace_row(std::FILE* f, const StepReport& r, float loss, float lr) {
 
 int run(const Options& o) {
   const bool gpu = !o.cpu && train::cuda_available();
+#if !HALFSTEP_TRAIN_CPU
+  if (!gpu) {
+    throw std::runtime_error(std::string(o.cpu ? "--cpu was given" : "no CUDA device found") +
+                             ", and this build has no CPU engine (OpenBLAS was not found)");
+  }
+#endif
   train::Dims dims;
   if (gpu) {
     dims.d_in = 256;
@@ -316,8 +322,8 @@ int run(const Options& o) {
   Scenario scenario = make_scenario(o, steps);
 
   if (!gpu) {
-    std::printf("no CUDA device%s: running on the CPU (OpenBLAS products, halfstep reference backend)\n",
-                o.cpu ? " requested" : " found");
+    std::printf("%s: running on the CPU (OpenBLAS products, halfstep reference backend)\n",
+                o.cpu ? "--cpu" : "no CUDA device found");
   }
   const auto teacher = train::initial_masters(dims, o.seed * 2 + 1);
   const train::Dataset data = train::make_dataset(dims, teacher, o.seed);
@@ -329,8 +335,12 @@ int run(const Options& o) {
       for (std::size_t i = 0; i < masters[t].size(); ++i) masters[t][i] = teacher[t][i] * (1.0f + noise(rng));
     }
   }
+#if HALFSTEP_TRAIN_CPU
   std::unique_ptr<train::Engine> engine =
       gpu ? train::make_cuda_engine(dims, data, masters, steps) : train::make_cpu_engine(dims, data, masters, steps);
+#else
+  std::unique_ptr<train::Engine> engine = train::make_cuda_engine(dims, data, masters, steps);
+#endif
   halfstep::FusedAdamW opt(engine->tensors(), scenario.config, engine->backend());
   std::printf("halfstep-train: scenario %s on %s\n", o.scenario.c_str(), engine->name().c_str());
   std::printf("  MLP %d -> %d x %d (ReLU) -> %d, %lld parameters in %zu tensors, batch %d, %lld steps\n",

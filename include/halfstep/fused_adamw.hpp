@@ -16,6 +16,10 @@ struct CUstream_st;
 
 namespace halfstep {
 
+namespace detail {
+struct FusedAccess;  // the benchmark times the passes of a step one by one
+}
+
 /// A CUDA stream (the same type as cudaStream_t); null is the default stream.
 using Stream = CUstream_st*;
 
@@ -98,6 +102,7 @@ class FusedAdamW {
   struct Impl;
 
  private:
+  friend struct detail::FusedAccess;
   std::unique_ptr<Impl> impl_;
   Backend backend_ = Backend::cuda;
 };

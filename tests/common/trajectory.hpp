@@ -25,11 +25,11 @@ struct FusedSide {
   virtual HostModel buffers(const HostModel& like) = 0;
 };
 
-/// Runs 200 steps on `side` and on the reference from the same start `h` (whose buffers the side
+/// Runs `steps` steps on `side` and on the reference from the same start `h` (whose buffers the side
 /// must hold too). Verdicts, scales and counters must agree exactly at every step; masters must
 /// stay within the CarriedBound accumulated over the applied steps. Requires decoupled decay.
 inline void free_running_trajectory(FusedSide& side, HostModel h, const halfstep::StepConfig& c,
-                                    std::uint64_t seed) {
+                                    std::uint64_t seed, int steps = 200) {
   using namespace halfstep;
   REQUIRE(c.groups.size() == 1);
   REQUIRE(c.groups[0].decoupled_weight_decay);
@@ -41,7 +41,7 @@ inline void free_running_trajectory(FusedSide& side, HostModel h, const halfstep
   std::mt19937_64 g(seed);
   std::uniform_real_distribution<double> u(0.0, 1.0);
   int skipped = 0;
-  for (int step = 1; step <= 200; ++step) {
+  for (int step = 1; step <= steps; ++step) {
     for (std::size_t t = 0; t < h.tensors.size(); ++t) {
       refill_grads(g, h.tensors[t], c.grad_dtype, ref_state.scaler.scale);
     }
@@ -88,7 +88,7 @@ inline void free_running_trajectory(FusedSide& side, HostModel h, const halfstep
     }
   }
   CHECK(widest < 1e-3);  // far below the displacement of 200 steps of size ~lr = 1e-3
-  CHECK(skipped >= 5);
+  CHECK(skipped >= steps / 40);  // about one step in ten overflows
 }
 
 }  // namespace halfstep_test

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -19,6 +20,13 @@ namespace halfstep_test {
 
 inline constexpr int kSkipReturnCode = 77;
 extern bool g_skipped;
+
+/// True when HALFSTEP_TEST_REDUCED is set (and not "0"): the largest cases shrink so the suite
+/// fits under compute-sanitizer (bench/gpu_check.sh).
+inline bool reduced_sizes() {
+  const char* e = std::getenv("HALFSTEP_TEST_REDUCED");
+  return e != nullptr && *e != '\0' && std::string(e) != "0";
+}
 
 /// Marks the running test as skipped (ctest shows it as Skipped); the caller returns at once.
 void skip_test(const std::string& why);

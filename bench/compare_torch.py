@@ -1,0 +1,348 @@
+#!/usr/bin/env python3
+"""Side-by-side: PyTorch's best equivalent pipeline against halfstep's fused step, in one process.
+
+PyTorch (fp16 gradients, fp32 masters, as a GradScaler + clip + fused AdamW trainer runs it):
+  upcast the fp16 gradients to fp32, torch._amp_foreach_non_finite_check_and_unscale_,
+  torch.nn.utils.clip_grad_norm_(foreach=True), torch.optim.AdamW(fused=True) told found_inf the
+  way GradScaler tells it (the step is skipped on the device), copy the masters to the fp16 model.
+halfstep: FusedAdamW through the C API (libhalfstep.so, ctypes) on the same gradients.
+
+Checks, then times:
+  1. agreement: same start, same gradients, overflows injected at chosen steps: identical skip
+     decisions; masters and moments within a bound derived below;
+  2. the loss scale: torch.amp.GradScaler's update (torch._amp_update_scale_) and halfstep's
+     scaler on the same overflow schedule give identical scale sequences;
+  3. time per step of each pipeline (CUDA events, median), and the ratio.
+Exits non-zero if a check fails. Needs PyTorch with CUDA and a GPU.
+
+usage: compare_torch.py [--lib build/gpu/libhalfstep.so] [--model gpt2-xl|small] [--steps N]"""
+import argparse
+import ctypes as C
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+# --- the C API (include/halfstep/halfstep.h) -----------------------------------------------------
+
+
+class Tensor(C.Structure):
+    _fields_ = [("master", C.c_void_p), ("grad", C.c_void_p), ("exp_avg", C.c_void_p),
+                ("exp_avg_sq", C.c_void_p), ("model", C.c_void_p), ("numel", C.c_int64),
+                ("group", C.c_int32)]
+
+
+class Group(C.Structure):
+    _fields_ = [("lr", C.c_float), ("beta1", C.c_float), ("beta2", C.c_float), ("eps", C.c_float),
+                ("weight_decay", C.c_float), ("decoupled_weight_decay", C.c_int32),
+                ("bias_correction", C.c_int32)]
+
+
+class Config(C.Structure):
+    _fields_ = [("grad_dtype", C.c_int32), ("model_dtype", C.c_int32), ("backend", C.c_int32),
+                ("host_driven", C.c_int32), ("max_grad_norm", C.c_float),
+                ("init_scale", C.c_float), ("growth_factor", C.c_float),
+                ("backoff_factor", C.c_float), ("min_scale", C.c_float), ("max_scale", C.c_float),
+                ("growth_interval", C.c_int32), ("hysteresis", C.c_int32),
+                ("consecutive_hysteresis", C.c_int32), ("headroom_growth", C.c_int32),
+                ("headroom_margin_log2", C.c_float), ("spike_enabled", C.c_int32),
+                ("spike_skip", C.c_int32), ("spike_warmup_steps", C.c_int32),
+                ("spike_max_consecutive", C.c_int32), ("spike_z_threshold", C.c_float),
+                ("spike_ema_beta", C.c_float), ("spike_min_std", C.c_float)]
+
+
+class Report(C.Structure):
+    _fields_ = [("attempt", C.c_int64), ("step", C.c_int64), ("outcome", C.c_int32),
+                ("spike", C.c_int32), ("scale_used", C.c_float), ("scale_next", C.c_float),
+                ("grad_norm", C.c_double), ("clip_coef", C.c_float),
+                ("nonfinite_count", C.c_int64), ("first_nonfinite_tensor", C.c_int32),
+                ("max_abs_scaled", C.c_float), ("headroom_log2", C.c_float),
+                ("subnormal_count", C.c_int64), ("zero_count", C.c_int64), ("numel", C.c_int64)]
+
+
+APPLIED, SKIPPED_OVERFLOW = 0, 1
+
+
+class Halfstep:
+    def __init__(self, path):
+        self.lib = C.CDLL(path)
+        L = self.lib
+        L.halfstep_config_init.argtypes = [C.POINTER(Config)]
+        L.halfstep_group_init.argtypes = [C.POINTER(Group)]
+        L.halfstep_create.argtypes = [C.POINTER(Tensor), C.c_int64, C.POINTER(Group), C.c_int32,
+                                      C.POINTER(Config), C.POINTER(C.c_void_p)]
+        L.halfstep_step.argtypes = [C.c_void_p, C.c_void_p]
+        L.halfstep_last_report.argtypes = [C.c_void_p, C.POINTER(Report)]
+        L.halfstep_loss_scale.argtypes = [C.c_void_p, C.POINTER(C.c_float)]
+        L.halfstep_destroy.argtypes = [C.c_void_p]
+        L.halfstep_last_error.restype = C.c_char_p
+
+    def check(self, status, what):
+        if status != 0:
+            raise RuntimeError(f"{what}: {self.lib.halfstep_last_error().decode()}")
+
+    def config(self, **fields):
+        c = Config()
+        self.lib.halfstep_config_init(C.byref(c))
+        for k, v in fields.items():
+            setattr(c, k, v)
+        return c
+
+    def group(self, **fields):
+        g = Group()
+        self.lib.halfstep_group_init(C.byref(g))
+        for k, v in fields.items():
+            setattr(g, k, v)
+        return g
+
+    def create(self, tensors, group, config):
+        arr = (Tensor * len(tensors))(*tensors)
+        handle = C.c_void_p()
+        self.check(self.lib.halfstep_create(arr, len(tensors), C.byref(group), 1, C.byref(config),
+                                            C.byref(handle)), "halfstep_create")
+        return handle
+
+    def step(self, handle, stream):
+        self.check(self.lib.halfstep_step(handle, C.c_void_p(stream)), "halfstep_step")
+
+    def report(self, handle):
+        r = Report()
+        self.check(self.lib.halfstep_last_report(handle, C.byref(r)), "halfstep_last_report")
+        return r
+
+    def loss_scale(self, handle):
+        s = C.c_float()
+        self.check(self.lib.halfstep_loss_scale(handle, C.byref(s)), "halfstep_loss_scale")
+        return s.value
+
+
+# --- the parameter sets ------------------------------------------------------------------------
+
+
+def shapes(name):
+    if name == "small":  # a few tensors, for a quick check
+        return [4096 * 1024, 1024, 1024 * 1024 + 3, 7, 0, 33]
+    d, vocab, ctx = 1600, 50257, 1024  # GPT-2 1.5B-like: 580 tensors
+    s = [vocab * d, ctx * d]
+    for _ in range(48):
+        s += [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d]
+    return s + [d, d]
+
+
+LR, BETA1, BETA2, EPS, WD, MAX_NORM = 1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0
+
+
+class State:
+    """Masters, moments, fp16 model copies and fp16 gradients for one pipeline."""
+
+    def __init__(self, sizes, gen):
+        dev = "cuda"
+        self.master = [torch.empty(n, device=dev).uniform_(-1, 1, generator=gen) for n in sizes]
+        self.m = [torch.empty(n, device=dev).uniform_(-1e-3, 1e-3, generator=gen) for n in sizes]
+        self.v = [torch.empty(n, device=dev).uniform_(1e-8, 1e-6, generator=gen) for n in sizes]
+        self.model = [p.half() for p in self.master]
+
+    def clone(self):
+        c = State.__new__(State)
+        c.master = [t.clone() for t in self.master]
+        c.m = [t.clone() for t in self.m]
+        c.v = [t.clone() for t in self.v]
+        c.model = [t.clone() for t in self.model]
+        return c
+
+
+def fill_grads(grads, scale, gen):
+    for g in grads:  # finite, never zero: sign · 2^U(-8, 0) · 0.01 · scale
+        mag = torch.exp2(torch.empty(g.numel(), device="cuda").uniform_(-8, 0, generator=gen))
+        sign = torch.where(torch.rand(g.numel(), device="cuda", generator=gen) < 0.5, -1.0, 1.0)
+        g.copy_((sign * mag * 0.01 * scale).half())
+
+
+class TorchPipeline:
+    def __init__(self, state, grads16):
+        self.s = state
+        self.params = [torch.nn.Parameter(p, requires_grad=True) for p in state.master]
+        self.grads32 = [torch.empty_like(p) for p in state.master]
+        for p, g in zip(self.params, self.grads32):
+            p.grad = g
+        self.grads16 = grads16
+        self.opt = torch.optim.AdamW(self.params, lr=LR, betas=(BETA1, BETA2), eps=EPS,
+                                     weight_decay=WD, fused=True)
+        for p, m, v in zip(self.params, state.m, state.v):  # start from the shared moments
+            st = self.opt.state[p]
+            st["step"] = torch.tensor(0.0, device="cuda")
+            st["exp_avg"] = m
+            st["exp_avg_sq"] = v
+        self.found_inf = torch.zeros(1, device="cuda")
+        self.inv_scale = torch.ones(1, device="cuda")
+
+    def step(self, scale):
+        self.inv_scale.fill_(1.0 / scale)
+        self.found_inf.zero_()
+        torch._foreach_copy_(self.grads32, self.grads16)                      # upcast
+        torch._amp_foreach_non_finite_check_and_unscale_(self.grads32, self.found_inf, self.inv_scale)
+        torch.nn.utils.clip_grad_norm_(self.params, MAX_NORM, foreach=True)
+        self.opt.grad_scale = None             # already unscaled (GradScaler's UNSCALED stage)
+        self.opt.found_inf = self.found_inf    # skip on the device, as GradScaler arranges it
+        self.opt.step()
+        del self.opt.grad_scale, self.opt.found_inf
+        torch._foreach_copy_(self.s.model, self.s.master)                      # fp16 model copy
+
+
+def make_halfstep(hs, state, grads16, scale):
+    tensors = [Tensor(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), md.data_ptr(), p.numel(), 0)
+               for p, g, m, v, md in zip(state.master, grads16, state.m, state.v, state.model)]
+    cfg = hs.config(max_grad_norm=MAX_NORM, init_scale=scale, min_scale=scale, max_scale=scale,
+                    growth_interval=2**31 - 1)
+    group = hs.group(lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD)
+    return hs.create(tensors, group, cfg)
+
+
+def check_agreement(hs, sizes, steps, inject_at):
+    """Same start, same gradients: identical skip decisions; masters and moments within a bound.
+
+    Bound: both sides compute the same formula in fp32 from identical inputs. They differ in
+    (1) the clip coefficient: PyTorch's fp32 norm against halfstep's fp32-per-thread, fp64-across
+    norm, a relative difference dc <= 1e-5 (a fp32 reduction over up to 2^31 terms in a tree has
+    error ~ log2(n) u); and (2) rounding: each fp32 operation of the update rounds (u = 2^-24),
+    about 20 of them per element. A relative difference d in the gradient moves an update of size
+    <= lr·|m/sqrt(v)| by at most d times it, m and v carry it on for ~1/(1 - beta1) = 10 steps,
+    and each step's stored master rounds once more on either side. So after k applied steps:
+        |p_torch - p_halfstep| <= k·(10·(dc + 20u)·lr·R + 2 ulp(p)),   R = max|m_hat/sqrt(v_hat)|,
+    with R <= 1/sqrt(1 - beta2) ~ 31.6 for Adam; moments within a relative 10·k·(dc + 20u)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    scale = 1024.0
+    start = State(sizes, gen)
+    grads16 = [torch.empty(n, device="cuda", dtype=torch.half) for n in sizes]
+    a, b = start.clone(), start.clone()
+    torch_side = TorchPipeline(a, grads16)
+    handle = make_halfstep(hs, b, grads16, scale)
+    stream = torch.cuda.current_stream().cuda_stream
+    ok = True
+    applied = 0
+    for k in range(steps):
+        fill_grads(grads16, scale, gen)
+        if k in inject_at:
+            grads16[len(grads16) // 2].view(-1)[k % max(grads16[len(grads16) // 2].numel(), 1)] = math.inf
+        torch_side.step(scale)
+        hs.step(handle, stream)
+        torch.cuda.synchronize()
+        skipped_torch = bool(torch_side.found_inf.item() > 0)
+        r = hs.report(handle)
+        skipped_hs = r.outcome == SKIPPED_OVERFLOW
+        same = skipped_torch == skipped_hs == (k in inject_at)
+        ok &= same
+        applied += 0 if skipped_hs else 1
+        if not same:
+            print(f"  step {k}: torch skipped={skipped_torch}, halfstep skipped={skipped_hs}")
+    u = 2.0 ** -24
+    dc = 1e-5
+    R = 1.0 / math.sqrt(1 - BETA2)
+    worst_p = worst_m = 0.0
+    for pa, pb, ma, mb, va, vb in zip(a.master, b.master, a.m, b.m, a.v, b.v):
+        if pa.numel() == 0:
+            continue
+        ulp = torch.abs(pb) * 2 * u + 1e-45
+        bound_p = applied * (10 * (dc + 20 * u) * LR * R + 2 * ulp)
+        worst_p = max(worst_p, float(torch.max(torch.abs(pa - pb) / bound_p)))
+        rel = 10 * applied * (dc + 20 * u)
+        worst_m = max(worst_m, float(torch.max(torch.abs(ma - mb) / (rel * torch.abs(mb) + 1e-30))),
+                      float(torch.max(torch.abs(va - vb) / (rel * torch.abs(vb) + 1e-30))))
+    print(f"  skip decisions identical on {steps} steps ({len(inject_at)} injected overflows): {ok}")
+    print(f"  masters: largest |difference| / bound = {worst_p:.3f}; moments: {worst_m:.3f}")
+    hs.lib.halfstep_destroy(handle)
+    return ok and worst_p <= 1.0 and worst_m <= 1.0
+
+
+def check_scaler(hs):
+    """torch.amp.GradScaler's update rule and halfstep's scaler on one overflow schedule."""
+    init, growth, backoff, interval = 2.0 ** 10, 2.0, 0.5, 3
+    schedule = [k % 7 == 3 or k in (20, 21, 22) for k in range(60)]
+    scale = torch.full((1,), init, device="cuda")
+    tracker = torch.zeros(1, device="cuda", dtype=torch.int32)
+    torch_scales = []
+    for overflow in schedule:
+        found = torch.full((1,), 1.0 if overflow else 0.0, device="cuda")
+        torch._amp_update_scale_(scale, tracker, found, growth, backoff, interval)
+        torch_scales.append(float(scale.item()))
+    # halfstep: a one-element tensor whose gradient is inf on the overflow steps.
+    p, m, v = (torch.zeros(1, device="cuda") for _ in range(3))
+    g = torch.zeros(1, device="cuda", dtype=torch.half)
+    cfg = hs.config(init_scale=init, growth_factor=growth, backoff_factor=backoff,
+                    growth_interval=interval, min_scale=1.0, max_scale=2.0 ** 24)
+    handle = hs.create([Tensor(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), None, 1, 0)],
+                       hs.group(), cfg)
+    ours = []
+    for overflow in schedule:
+        g.fill_(math.inf if overflow else 1.0)
+        torch.cuda.synchronize()
+        hs.step(handle, torch.cuda.current_stream().cuda_stream)
+        ours.append(hs.loss_scale(handle))
+    hs.lib.halfstep_destroy(handle)
+    same = ours == torch_scales
+    print(f"  scale sequences over {len(schedule)} steps identical: {same} "
+          f"(min 2^{math.log2(min(ours)):.0f}, max 2^{math.log2(max(ours)):.0f})")
+    return same
+
+
+def median_ms(fn, repeats):
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="PyTorch's pipeline against halfstep's fused step")
+    ap.add_argument("--lib", default=os.path.join("build", "gpu", "libhalfstep.so"))
+    ap.add_argument("--model", default="gpt2-xl", choices=["gpt2-xl", "small"])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("SKIPPED: PyTorch sees no CUDA device")
+        return 77
+    hs = Halfstep(args.lib)
+    sizes = shapes(args.model)
+    print(f"compare_torch: {args.model}, {len(sizes)} tensors, {sum(sizes) / 1e9:.3f}e9 parameters, "
+          f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print("1. agreement (small parameter set):")
+    ok = check_agreement(hs, shapes("small"), args.steps, inject_at={3, 7})
+    print("2. loss scale against torch.amp.GradScaler's update:")
+    ok &= check_scaler(hs)
+
+    print(f"3. time per step ({args.model}):")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    scale = 1024.0
+    grads16 = [torch.empty(n, device="cuda", dtype=torch.half) for n in sizes]
+    fill_grads(grads16, scale, gen)
+    state = State(sizes, gen)
+    torch_side = TorchPipeline(state, grads16)
+    t_torch = median_ms(lambda: torch_side.step(scale), args.repeats)
+    del torch_side, state
+    torch.cuda.empty_cache()
+    state = State(sizes, gen)
+    handle = make_halfstep(hs, state, grads16, scale)
+    stream = torch.cuda.current_stream().cuda_stream
+    t_hs = median_ms(lambda: hs.step(handle, stream), args.repeats)
+    applied = hs.report(handle).outcome == APPLIED
+    hs.lib.halfstep_destroy(handle)
+    n = sum(sizes)
+    print(f"  PyTorch pipeline : {t_torch:8.3f} ms  ({n * 30 / t_torch / 1e6:7.0f} GB/s of the 30 B/param work)")
+    print(f"  halfstep fused   : {t_hs:8.3f} ms  ({n * 30 / t_hs / 1e6:7.0f} GB/s)")
+    print(f"  ratio            : {t_torch / t_hs:.2f}x faster (target >= 2x)")
+    print(f"RESULT torch_ms={t_torch:.3f} halfstep_ms={t_hs:.3f} ratio={t_torch / t_hs:.2f} checks={'pass' if ok and applied else 'FAIL'}")
+    return 0 if ok and applied else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The whole GPU verification in one call, for a machine with a GPU and no network:
+#   build (gpu preset), every GPU test including [large], compute-sanitizer (memcheck, racecheck,
+#   initcheck, synccheck) on the GPU tests at reduced sizes, the benchmark (short configuration),
+#   bench/compare_torch.py when PyTorch is importable, and a short halfstep-train run on the GPU.
+# Logs go under LOG_DIR; a table of results is printed last. Exits non-zero if anything failed.
+#
+# usage: bench/gpu_check.sh LOG_DIR
+# Catch2 and Google Benchmark come from the system, or from Debian packages in .debs/
+# (tools/fetch_debs.sh), unpacked into a private prefix.
+set -u
+logs=${1:?usage: bench/gpu_check.sh LOG_DIR}
+mkdir -p "$logs"
+logs=$(cd "$logs" && pwd)
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+jobs=$(nproc)
+declare -a table
+failed=0
+record() {  # name verdict detail
+  table+=("$(printf '| %-34s | %-7s | %s |' "$1" "$2" "$3")")
+  [ "$2" = "FAIL" ] && failed=1
+  return 0
+}
+elapsed() { echo "$(( $(date +%s) - t0 ))s"; }
+
+# --- dependencies ---------------------------------------------------------------------------------
+prefix_args=()
+if ls .debs/*.deb >/dev/null 2>&1; then
+  deps=/tmp/halfstep-deps
+  mkdir -p "$deps"
+  for f in .debs/*.deb; do dpkg -x "$f" "$deps"; done
+  prefix_args=(-DCMAKE_PREFIX_PATH="$deps/usr")
+  export LD_LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$logs/gpu.txt" 2>&1
+git rev-parse HEAD > "$logs/commit.txt" 2>/dev/null || echo unknown > "$logs/commit.txt"
+
+# --- build ----------------------------------------------------------------------------------------
+if cmake --preset gpu "${prefix_args[@]}" > "$logs/configure.log" 2>&1 &&
+   cmake --build --preset gpu -j "$jobs" > "$logs/build.log" 2>&1; then
+  record "build (gpu preset)" ok "$(elapsed)"
+else
+  record "build (gpu preset)" FAIL "see build.log / configure.log"
+  tail -30 "$logs/configure.log" "$logs/build.log"
+  printf '%s\n' "${table[@]}"
+  exit 1
+fi
+bin=build/gpu
+
+# --- GPU tests, every case including [large] -------------------------------------------------------
+"$bin/tests/halfstep_gpu_tests" --durations yes > "$logs/gpu_tests.log" 2>&1
+rc=$?
+summary=$(grep -E "^(All tests passed|test cases:)" "$logs/gpu_tests.log" | tail -1)
+case $rc in
+  0) record "GPU tests (all, incl. [large])" ok "$summary" ;;
+  77) record "GPU tests (all, incl. [large])" skipped "$(grep SKIPPED "$logs/gpu_tests.log" | head -2 | tr '\n' ' ')" ;;
+  *) record "GPU tests (all, incl. [large])" FAIL "$summary (gpu_tests.log)" ;;
+esac
+
+# --- host tests (quick: everything but the training scenarios) --------------------------------------
+if ctest --test-dir "$bin" -L host -j "$jobs" > "$logs/host_tests.log" 2>&1; then
+  record "host tests" ok "$(grep -E 'tests passed' "$logs/host_tests.log")"
+else
+  record "host tests" FAIL "$(grep -E 'tests passed|tests failed' "$logs/host_tests.log")"
+fi
+
+# --- compute-sanitizer on the GPU tests at reduced sizes ---------------------------------------------
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  export HALFSTEP_TEST_REDUCED=1
+  for tool in memcheck racecheck initcheck synccheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 99 "$bin/tests/halfstep_gpu_tests" "~[large]" \
+      > "$logs/sanitizer_$tool.log" 2>&1
+    rc=$?
+    verdict=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$logs/sanitizer_$tool.log" | tail -1)
+    if [ $rc -eq 0 ]; then record "compute-sanitizer $tool" ok "$verdict"; else record "compute-sanitizer $tool" FAIL "rc $rc: $verdict"; fi
+  done
+  unset HALFSTEP_TEST_REDUCED
+else
+  record "compute-sanitizer" FAIL "not on PATH"
+fi
+
+# --- benchmark (short configuration) ----------------------------------------------------------------
+if [ -x "$bin/bench/halfstep-bench" ]; then
+  if "$bin/bench/halfstep-bench" --halfstep_quick --benchmark_out="$logs/bench.json" \
+       --benchmark_out_format=json > "$logs/bench.log" 2>&1; then
+    record "halfstep-bench (quick)" ok "bench.log, bench.json"
+  else
+    record "halfstep-bench (quick)" FAIL "bench.log"
+  fi
+else
+  record "halfstep-bench" FAIL "not built (Google Benchmark missing?)"
+fi
+
+# --- PyTorch comparison ------------------------------------------------------------------------------
+if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" > /dev/null 2>&1; then
+  if python3 bench/compare_torch.py --lib "$bin/libhalfstep.so" > "$logs/compare_torch.log" 2>&1; then
+    record "compare_torch.py" ok "$(grep RESULT "$logs/compare_torch.log")"
+  else
+    record "compare_torch.py" FAIL "$(grep -E 'RESULT|Error' "$logs/compare_torch.log" | tail -1)"
+  fi
+else
+  record "compare_torch.py" skipped "PyTorch with CUDA not importable"
+fi
+
+# --- the main job on the GPU -------------------------------------------------------------------------
+if "$bin/examples/halfstep-train" --steps 2000 --trace "$logs/train_gpu.csv" > "$logs/train_gpu.log" 2>&1; then
+  record "halfstep-train (GPU, 2000 steps)" ok "$(grep -E '^done|loss .* over the last' "$logs/train_gpu.log" | tr '\n' ' ')"
+else
+  record "halfstep-train (GPU, 2000 steps)" FAIL "train_gpu.log"
+fi
+
+# --- the table -----------------------------------------------------------------------------------------
+echo
+echo "## gpu_check on $(cat "$logs/gpu.txt") at $(cat "$logs/commit.txt" | cut -c1-12), $(date -u +%Y-%m-%d), $(elapsed)"
+echo
+sed -n '/^## halfstep-bench/,$p' "$logs/bench.log" 2>/dev/null | head -40
+echo
+echo "| check | verdict | detail |"
+echo "|---|---|---|"
+printf '%s\n' "${table[@]}"
+exit $failed
