@@ -102,4 +102,41 @@ struct DecideParams {
   bool device_scaler;     // run the scaler transition here (device-resident mode)
 };
 
+/// The optimizer state as the device holds it, and back.
+inline DeviceState to_device_state(const OptimizerState& s) {
+  DeviceState d{};
+  d.scaler = s.scaler;
+  d.spike = s.spike;
+  d.step = s.step;
+  d.attempts = s.attempts;
+  return d;
+}
+inline OptimizerState to_optimizer_state(const DeviceState& d) {
+  OptimizerState s;
+  s.scaler = d.scaler;
+  s.spike = d.spike;
+  s.step = d.step;
+  s.attempts = d.attempts;
+  return s;
+}
+
+/// The run-constant hyperparameters of a group.
+inline GroupParams group_params(const AdamWConfig& h) {
+  return GroupParams{h.beta1, h.beta2, h.eps, h.weight_decay,
+                     static_cast<std::uint8_t>(h.decoupled_weight_decay ? 1 : 0),
+                     static_cast<std::uint8_t>(h.bias_correction ? 1 : 0), {0, 0}};
+}
+
+/// What decide() needs from the step's configuration; `numel` counts all elements.
+inline DecideParams decide_params(const StepConfig& c, std::int64_t numel) {
+  DecideParams p{};
+  p.scaler = c.scaler;
+  p.spike = c.spike;
+  p.max_grad_norm = c.max_grad_norm;
+  p.grad_format_max = format_info(c.grad_dtype).max;
+  p.numel = numel;
+  p.device_scaler = !c.host_driven;
+  return p;
+}
+
 }  // namespace halfstep::detail

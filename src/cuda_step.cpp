@@ -104,11 +104,8 @@ class CudaImpl final : public FusedAdamW::Impl {
     std::vector<GroupParams> params(n_groups);
     std::vector<float> lr(n_groups);
     for (std::size_t g = 0; g < n_groups; ++g) {
-      const AdamWConfig& h = config_.groups[g];
-      params[g] = GroupParams{h.beta1, h.beta2, h.eps, h.weight_decay,
-                              static_cast<std::uint8_t>(h.decoupled_weight_decay ? 1 : 0),
-                              static_cast<std::uint8_t>(h.bias_correction ? 1 : 0), {0, 0}};
-      lr[g] = h.lr;
+      params[g] = group_params(config_.groups[g]);
+      lr[g] = config_.groups[g].lr;
     }
     upload(d_tensors_, table.tensors.data(), n_tensors_);
     upload(d_chunks_, table.chunks.data(), table.chunks.size());
@@ -132,12 +129,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     finalize_.lr = d_lr_;
     finalize_.consts = d_consts_;
     finalize_.n_groups = static_cast<std::int32_t>(n_groups);
-    finalize_.decide.scaler = config_.scaler;
-    finalize_.decide.spike = config_.spike;
-    finalize_.decide.max_grad_norm = config_.max_grad_norm;
-    finalize_.decide.grad_format_max = format_info(config_.grad_dtype).max;
-    finalize_.decide.numel = table.numel;
-    finalize_.decide.device_scaler = !config_.host_driven;
+    finalize_.decide = decide_params(config_, table.numel);
   }
 
   void step(Stream stream) override {
@@ -229,12 +221,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     wait_last_step();
     DeviceState d{};
     HALFSTEP_CUDA_CHECK(cudaMemcpy(&d, d_state_, sizeof(d), cudaMemcpyDeviceToHost));
-    OptimizerState s;
-    s.scaler = d.scaler;
-    s.spike = d.spike;
-    s.step = d.step;
-    s.attempts = d.attempts;
-    return s;
+    return to_optimizer_state(d);
   }
 
   void load_state(std::string_view bytes) override {
@@ -273,11 +260,7 @@ class CudaImpl final : public FusedAdamW::Impl {
   }
 
   void write_state(const OptimizerState& s) {
-    DeviceState d{};
-    d.scaler = s.scaler;
-    d.spike = s.spike;
-    d.step = s.step;
-    d.attempts = s.attempts;
+    const DeviceState d = to_device_state(s);
     upload(d_state_, &d, 1);
   }
 

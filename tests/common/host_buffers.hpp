@@ -1,6 +1,7 @@
 // Test helper: host-side parameter tensors with owned buffers and seeded random contents.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -71,6 +72,29 @@ inline HostTensor random_tensor(std::mt19937_64& rng, std::int64_t n, halfstep::
     t.model[i] = halfstep::to_bits16(model_dtype, t.master[i]);
   }
   return t;
+}
+
+/// One random_tensor per size, from one seeded generator.
+inline HostModel random_model(std::uint64_t seed, const std::vector<std::int64_t>& sizes, float scale,
+                              halfstep::DType grad = halfstep::DType::f16,
+                              halfstep::DType model = halfstep::DType::f16, float sigma = 1e-2f) {
+  std::mt19937_64 rng(seed);
+  HostModel m;
+  for (std::int64_t n : sizes) m.tensors.push_back(random_tensor(rng, n, grad, model, scale, sigma));
+  return m;
+}
+
+/// Fills every model copy with a NaN pattern, so a test can see that a step wrote each element.
+inline void poison_model_copies(HostModel& m) {
+  for (auto& t : m.tensors) std::fill(t.model.begin(), t.model.end(), std::uint16_t{0x7FFF});
+}
+
+/// random_model with poisoned model copies.
+inline HostModel poisoned_model(std::uint64_t seed, const std::vector<std::int64_t>& sizes,
+                                float scale, halfstep::DType grad, halfstep::DType model) {
+  HostModel m = random_model(seed, sizes, scale, grad, model);
+  poison_model_copies(m);
+  return m;
 }
 
 /// Writes fresh gradients N(0, sigma²)·scale into `t`.

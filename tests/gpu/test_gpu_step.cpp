@@ -19,15 +19,6 @@ namespace {
 
 constexpr std::int64_t kChunk = 32768;  // kChunkElems of the kernels
 
-HostModel random_model(std::uint64_t seed, const std::vector<std::int64_t>& sizes, float scale,
-                       DType grad, DType model, float sigma = 1e-2f) {
-  std::mt19937_64 rng(seed);
-  HostModel m;
-  for (std::int64_t n : sizes) m.tensors.push_back(random_tensor(rng, n, grad, model, scale, sigma));
-  for (auto& t : m.tensors) std::fill(t.model.begin(), t.model.end(), std::uint16_t{0x7FFF});  // poison
-  return m;
-}
-
 // One fused step and one reference step from the same inputs and state, compared.
 StepReport lockstep(FusedAdamW& opt, DeviceModel& dev, const HostModel& like,
                     const StepConfig& config, OptimizerState* ref_state_out = nullptr) {
@@ -68,7 +59,7 @@ TEST_CASE("gpu step matches the reference at edge sizes for every dtype pair", "
     for (DType model : {DType::f16, DType::bf16}) {
       for (float max_norm : {0.0f, 0.5f}) {
         const float scale = grad == DType::f16 ? 1024.0f : 1.0f;
-        HostModel h = random_model(++seed, sizes, scale, grad, model);
+        HostModel h = poisoned_model(++seed, sizes, scale, grad, model);
         h.tensors[3].with_model = false;  // a tensor without a model copy
         DeviceModel dev(h);
         const StepConfig c = config_for(grad, model, scale, max_norm);
@@ -92,7 +83,7 @@ TEST_CASE("gpu step matches the reference on seeded random sizes over several st
     const std::uint64_t seed = rng();
     const DType grad = trial % 2 ? DType::bf16 : DType::f16;
     const float scale = grad == DType::f16 ? 4096.0f : 1.0f;
-    HostModel h = random_model(seed, sizes, scale, grad, DType::f16);
+    HostModel h = poisoned_model(seed, sizes, scale, grad, DType::f16);
     DeviceModel dev(h);
     StepConfig c = config_for(grad, DType::f16, scale, trial % 3 ? 1.0f : 0.0f);
     FusedAdamW opt(dev.views(), c);
@@ -111,7 +102,7 @@ TEST_CASE("gpu step handles 10000 tiny tensors in one step", "[gpu]") {
   std::uniform_int_distribution<std::int64_t> size(0, 20);
   std::vector<std::int64_t> sizes(reduced_sizes() ? 1000 : 10000);
   for (auto& n : sizes) n = size(rng);
-  HostModel h = random_model(6, sizes, 512.0f, DType::f16, DType::f16);
+  HostModel h = poisoned_model(6, sizes, 512.0f, DType::f16, DType::f16);
   DeviceModel dev(h);
   const StepConfig c = config_for(DType::f16, DType::f16, 512.0f, 1.0f);
   FusedAdamW opt(dev.views(), c);
@@ -131,7 +122,7 @@ TEST_CASE("gpu step handles 10000 tiny tensors in one step", "[gpu]") {
 TEST_CASE("gpu step takes the scalar path for pointers offset by 1 to 3 elements", "[gpu]") {
   const std::vector<std::int64_t> sizes = {9, kChunk + 3, 1001};
   for (DType grad : {DType::f16, DType::bf16}) {
-    HostModel h = random_model(8, sizes, 256.0f, grad, DType::bf16);
+    HostModel h = poisoned_model(8, sizes, 256.0f, grad, DType::bf16);
     DeviceModel dev(h, /*misalign=*/true);
     const StepConfig c = config_for(grad, DType::bf16, 256.0f, 0.3f);
     FusedAdamW opt(dev.views(), c);
@@ -146,7 +137,7 @@ TEST_CASE("gpu step skips the whole step for inf or NaN anywhere and writes noth
   for (std::size_t t : {std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
     for (int where = 0; where < 3; ++where) {
       for (std::uint16_t bad : specials) {
-        HostModel h = random_model(9, sizes, 2048.0f, DType::f16, DType::f16);
+        HostModel h = poisoned_model(9, sizes, 2048.0f, DType::f16, DType::f16);
         const std::size_t n = h.tensors[t].grad.size();
         const std::size_t i = where == 0 ? 0 : where == 1 ? n / 2 : n - 1;
         h.tensors[t].grad[i] = bad;
@@ -170,7 +161,7 @@ TEST_CASE("gpu step skips the whole step for inf or NaN anywhere and writes noth
 }
 
 TEST_CASE("gpu step applies two groups with their own lr and weight decay", "[gpu]") {
-  HostModel h = random_model(10, {5000, 3000, 77}, 1024.0f, DType::f16, DType::f16);
+  HostModel h = poisoned_model(10, {5000, 3000, 77}, 1024.0f, DType::f16, DType::f16);
   h.tensors[1].group = 1;
   h.tensors[2].group = 2;
   DeviceModel dev(h);
@@ -188,7 +179,7 @@ TEST_CASE("gpu step applies two groups with their own lr and weight decay", "[gp
 }
 
 TEST_CASE("gpu spike skip leaves every buffer and the scale alone", "[gpu]") {
-  HostModel h = random_model(11, {4096, 100}, 1024.0f, DType::f16, DType::f16);
+  HostModel h = poisoned_model(11, {4096, 100}, 1024.0f, DType::f16, DType::f16);
   DeviceModel dev(h);
   StepConfig c = config_for(DType::f16, DType::f16, 1024.0f, 0.0f);
   c.spike.enabled = true;
@@ -227,7 +218,7 @@ struct GpuSide final : FusedSide {
 }  // namespace
 
 TEST_CASE("gpu 200-step trajectory with random overflows follows the reference", "[gpu]") {
-  const HostModel h = random_model(13, {3000, 1, kChunk + 11}, 32768.0f, DType::f16, DType::f16);
+  const HostModel h = poisoned_model(13, {3000, 1, kChunk + 11}, 32768.0f, DType::f16, DType::f16);
   StepConfig c = config_for(DType::f16, DType::f16, 32768.0f, 0.05f);
   c.scaler.growth_interval = 9;
   GpuSide side(h, c);
@@ -245,7 +236,7 @@ struct Run {
 
 Run run_steps(const StepConfig& c, int steps, std::uint64_t seed, float grad_scale_factor = 1.0f) {
   const std::vector<std::int64_t> sizes = {kChunk * 2 + 3, 555};
-  HostModel h = random_model(seed, sizes, c.scaler.init_scale, c.grad_dtype, c.model_dtype);
+  HostModel h = poisoned_model(seed, sizes, c.scaler.init_scale, c.grad_dtype, c.model_dtype);
   DeviceModel dev(h);
   FusedAdamW opt(dev.views(), c);
   std::mt19937_64 g(seed + 1);
@@ -333,7 +324,7 @@ TEST_CASE("gpu runs at S = 1 and S = 2^12 give bitwise equal masters", "[gpu]") 
 
 TEST_CASE("gpu graph replayed 20 times equals 20 eager steps", "[gpu]") {
   const std::vector<std::int64_t> sizes = {kChunk + 100, 900};
-  HostModel h = random_model(18, sizes, 8192.0f, DType::f16, DType::bf16);
+  HostModel h = poisoned_model(18, sizes, 8192.0f, DType::f16, DType::bf16);
   const StepConfig c = config_for(DType::f16, DType::bf16, 8192.0f, 1.0f);
   cudaStream_t stream;
   GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -381,7 +372,7 @@ TEST_CASE("gpu graph replayed 20 times equals 20 eager steps", "[gpu]") {
 }
 
 TEST_CASE("gpu host-driven steps refuse graph capture", "[gpu]") {
-  HostModel h = random_model(20, {100}, 1024.0f, DType::f16, DType::f16);
+  HostModel h = poisoned_model(20, {100}, 1024.0f, DType::f16, DType::f16);
   DeviceModel dev(h);
   StepConfig c = config_for(DType::f16, DType::f16, 1024.0f, 0.0f);
   c.host_driven = true;
@@ -397,7 +388,7 @@ TEST_CASE("gpu host-driven steps refuse graph capture", "[gpu]") {
 }
 
 TEST_CASE("gpu state moves between the cuda and reference backends", "[gpu][checkpoint]") {
-  HostModel h = random_model(21, {2000, 10}, 65536.0f, DType::f16, DType::f16);
+  HostModel h = poisoned_model(21, {2000, 10}, 65536.0f, DType::f16, DType::f16);
   DeviceModel dev(h);
   StepConfig c = config_for(DType::f16, DType::f16, 65536.0f, 1.0f);
   c.scaler.growth_interval = 3;
@@ -429,7 +420,7 @@ TEST_CASE("gpu state moves between the cuda and reference backends", "[gpu][chec
 }
 
 TEST_CASE("gpu set_lr and device_lr change the learning rate in stream order", "[gpu]") {
-  HostModel h = random_model(23, {1000}, 1024.0f, DType::f16, DType::f16);
+  HostModel h = poisoned_model(23, {1000}, 1024.0f, DType::f16, DType::f16);
   DeviceModel dev(h);
   StepConfig c = config_for(DType::f16, DType::f16, 1024.0f, 0.0f);
   c.groups[0].weight_decay = 0.0f;
@@ -446,7 +437,7 @@ TEST_CASE("gpu set_lr and device_lr change the learning rate in stream order", "
 }
 
 TEST_CASE("gpu setup rejects host memory with the buffer named", "[gpu][validate]") {
-  HostModel h = random_model(24, {16}, 1.0f, DType::f16, DType::f16);
+  HostModel h = poisoned_model(24, {16}, 1.0f, DType::f16, DType::f16);
   DeviceModel dev(h);
   auto v = dev.views();
   v[0].exp_avg = h.tensors[0].exp_avg.data();

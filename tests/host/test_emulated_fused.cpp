@@ -26,14 +26,8 @@ class EmulatedFused final : public FusedSide {
  public:
   EmulatedFused(const HostModel& start, const StepConfig& c) : model_(start), config_(c) {
     table_ = build_tensor_table(model_.views());
-    state_ = DeviceState{};
-    const OptimizerState s = OptimizerState::initial(c);
-    state_.scaler = s.scaler;
-    for (const AdamWConfig& h : c.groups) {
-      params_.push_back(GroupParams{h.beta1, h.beta2, h.eps, h.weight_decay,
-                                    static_cast<std::uint8_t>(h.decoupled_weight_decay),
-                                    static_cast<std::uint8_t>(h.bias_correction), {0, 0}});
-    }
+    state_ = to_device_state(OptimizerState::initial(c));
+    for (const AdamWConfig& h : c.groups) params_.push_back(group_params(h));
   }
 
   StepReport step(const HostModel& grads) override {
@@ -52,16 +46,9 @@ class EmulatedFused final : public FusedSide {
         totals.first_nonfinite_tensor = table_.chunks[k].tensor;
       }
     }
-    DecideParams p{};
-    p.scaler = config_.scaler;
-    p.spike = config_.spike;
-    p.max_grad_norm = config_.max_grad_norm;
-    p.grad_format_max = format_info(config_.grad_dtype).max;
-    p.numel = table_.numel;
-    p.device_scaler = true;
     StepReport report{};
     Decision d{};
-    decide(totals, state_, p, report, d);
+    decide(totals, state_, decide_params(config_, table_.numel), report, d);
     if (d.apply) {
       for (std::size_t t = 0; t < model_.tensors.size(); ++t) {
         HostTensor& x = model_.tensors[t];
@@ -79,14 +66,7 @@ class EmulatedFused final : public FusedSide {
 
   HostModel buffers(const HostModel&) override { return model_; }
   HostModel& model() { return model_; }
-  OptimizerState state() const {
-    OptimizerState s;
-    s.scaler = state_.scaler;
-    s.spike = state_.spike;
-    s.step = state_.step;
-    s.attempts = state_.attempts;
-    return s;
-  }
+  OptimizerState state() const { return to_optimizer_state(state_); }
 
  private:
   // Pass 1 on one chunk: thread j of kPassThreads folds vectors j, j + T, ... (8 elements each),
@@ -130,15 +110,6 @@ class EmulatedFused final : public FusedSide {
   DeviceState state_{};
   std::vector<GroupParams> params_;
 };
-
-HostModel poisoned_model(std::uint64_t seed, const std::vector<std::int64_t>& sizes, float scale,
-                         DType grad, DType model) {
-  std::mt19937_64 rng(seed);
-  HostModel m;
-  for (std::int64_t n : sizes) m.tensors.push_back(random_tensor(rng, n, grad, model, scale));
-  for (auto& t : m.tensors) std::fill(t.model.begin(), t.model.end(), std::uint16_t{0x7FFF});
-  return m;
-}
 
 }  // namespace
 

@@ -13,6 +13,7 @@
 using namespace halfstep;
 using halfstep_test::HostModel;
 using halfstep_test::HostTensor;
+using halfstep_test::random_model;
 using halfstep_test::random_tensor;
 using halfstep_test::refill_grads;
 
@@ -23,14 +24,6 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 double ulp(float x) {
   const float a = std::fabs(x);
   return static_cast<double>(std::nextafter(a, INFINITY) - a);
-}
-
-HostModel random_model(std::uint64_t seed, const std::vector<std::int64_t>& sizes, float scale,
-                       DType grad = DType::f16, DType model = DType::f16) {
-  std::mt19937_64 rng(seed);
-  HostModel m;
-  for (std::int64_t n : sizes) m.tensors.push_back(random_tensor(rng, n, grad, model, scale));
-  return m;
 }
 
 StepConfig config_with_scale(float scale) {

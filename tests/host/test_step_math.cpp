@@ -43,32 +43,6 @@ Totals host_totals(const std::vector<ParamTensor>& tensors, DType dtype) {
   return t;
 }
 
-DeviceState device_state(const OptimizerState& s) {
-  DeviceState d{};
-  d.scaler = s.scaler;
-  d.spike = s.spike;
-  d.step = s.step;
-  d.attempts = s.attempts;
-  return d;
-}
-
-DecideParams decide_params(const StepConfig& c, std::int64_t numel) {
-  DecideParams p{};
-  p.scaler = c.scaler;
-  p.spike = c.spike;
-  p.max_grad_norm = c.max_grad_norm;
-  p.grad_format_max = format_info(c.grad_dtype).max;
-  p.numel = numel;
-  p.device_scaler = true;
-  return p;
-}
-
-GroupParams group_params(const AdamWConfig& h) {
-  return GroupParams{h.beta1, h.beta2, h.eps, h.weight_decay,
-                     static_cast<std::uint8_t>(h.decoupled_weight_decay),
-                     static_cast<std::uint8_t>(h.bias_correction), {0, 0}};
-}
-
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
@@ -92,7 +66,7 @@ TEST_CASE("decide reproduces the reference report and state exactly", "[step_mat
   HostModel m;
   for (std::int64_t n : {33, 0, 200, 5}) m.tensors.push_back(random_tensor(rng, n, DType::f16, DType::f16, 1.0f));
   OptimizerState ref = OptimizerState::initial(c);
-  DeviceState dev = device_state(ref);
+  DeviceState dev = to_device_state(ref);
   int overflows = 0, spikes = 0, applied = 0;
   for (int step = 0; step < 300; ++step) {
     const float sigma = u(rng) < 0.03 ? 1.0f : 0.01f;  // occasional 100x steps: spikes
@@ -143,7 +117,7 @@ TEST_CASE("decide reproduces the reference report and state exactly", "[step_mat
 TEST_CASE("decide in host-driven mode leaves the scaler to the host", "[step_math]") {
   StepConfig c;
   OptimizerState s = OptimizerState::initial(c);
-  DeviceState dev = device_state(s);
+  DeviceState dev = to_device_state(s);
   DecideParams p = decide_params(c, 10);
   p.device_scaler = false;
   Totals overflow;
@@ -188,7 +162,7 @@ TEST_CASE("the fp32 element update stays within the derived bound of the referen
     }
     OptimizerState ref = OptimizerState::initial(c);
     ref.step = ref.attempts = static_cast<std::int64_t>(u(rng) * 3000);
-    DeviceState dev = device_state(ref);
+    DeviceState dev = to_device_state(ref);
     HostModel before = m;
     const StepReport r = reference::step(m.views(), c, ref);
     REQUIRE(r.outcome == Outcome::applied);
@@ -242,7 +216,7 @@ TEST_CASE("the fp32 element update is bitwise scale invariant for power-of-two s
     auto& v = s == 1.0f ? v1 : v2;
     ParamTensor view{p.data(), x.data(), m.data(), v.data(), nullptr, 500, 0};
     c.scaler = ScalerConfig::constant(s);
-    DeviceState dev = device_state(OptimizerState::initial(c));
+    DeviceState dev = to_device_state(OptimizerState::initial(c));
     for (int step = 0; step < 20; ++step) {
       StepReport r{};
       Decision d{};
