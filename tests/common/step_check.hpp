@@ -15,6 +15,18 @@
 
 namespace halfstep_test {
 
+/// The step configuration most tests use: one group with a little weight decay.
+inline halfstep::StepConfig config_for(halfstep::DType grad, halfstep::DType model, float scale,
+                                       float max_norm) {
+  halfstep::StepConfig c;
+  c.grad_dtype = grad;
+  c.model_dtype = model;
+  c.scaler.init_scale = scale;
+  c.max_grad_norm = max_norm;
+  c.groups[0].weight_decay = 0.01f;
+  return c;
+}
+
 /// Relative error the fused step's norm may have against the reference's. Pass 1 sums the
 /// squares of at most K = kChunkElems / kPassThreads = 128 f16 gradients per thread in fp32
 /// (each square and each addition rounds: at most K·u relative for positive terms) and

@@ -39,16 +39,6 @@ StepReport lockstep(FusedAdamW& opt, DeviceModel& dev, const HostModel& like,
   return got;
 }
 
-StepConfig config_for(DType grad, DType model, float scale, float max_norm) {
-  StepConfig c;
-  c.grad_dtype = grad;
-  c.model_dtype = model;
-  c.scaler.init_scale = scale;
-  c.max_grad_norm = max_norm;
-  c.groups[0].weight_decay = 0.01f;
-  return c;
-}
-
 }  // namespace
 
 TEST_CASE("gpu step matches the reference at edge sizes for every dtype pair", "[gpu]") {

@@ -123,12 +123,7 @@ TEST_CASE("the kernels' arithmetic passes the GPU suite's per-step checks", "[em
         const float scale = grad == DType::f16 ? 1024.0f : 1.0f;
         HostModel h = poisoned_model(++seed, sizes, scale, grad, model);
         h.tensors[3].with_model = false;
-        StepConfig c;
-        c.grad_dtype = grad;
-        c.model_dtype = model;
-        c.scaler.init_scale = scale;
-        c.max_grad_norm = max_norm;
-        c.groups[0].weight_decay = 0.01f;
+        const StepConfig c = config_for(grad, model, scale, max_norm);
         EmulatedFused fused(h, c);
         std::mt19937_64 g(seed);
         for (int step = 0; step < 3; ++step) {
@@ -152,11 +147,8 @@ TEST_CASE("the kernels' arithmetic passes the GPU suite's per-step checks", "[em
 
 TEST_CASE("the kernels' arithmetic stays within the GPU suite's trajectory bound", "[emulated]") {
   const HostModel h = poisoned_model(13, {3000, 1, kChunkElems + 11}, 32768.0f, DType::f16, DType::f16);
-  StepConfig c;
-  c.scaler.init_scale = 32768.0f;
+  StepConfig c = config_for(DType::f16, DType::f16, 32768.0f, 0.05f);
   c.scaler.growth_interval = 9;
-  c.max_grad_norm = 0.05f;
-  c.groups[0].weight_decay = 0.01f;
   EmulatedFused fused(h, c);
   free_running_trajectory(fused, h, c, 14);
 }
