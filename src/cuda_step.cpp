@@ -130,6 +130,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     finalize_.consts = d_consts_;
     finalize_.n_groups = static_cast<std::int32_t>(n_groups);
     finalize_.decide = decide_params(config_, table.numel);
+    settle_uploads();
   }
 
   void step(Stream stream) override {
@@ -229,6 +230,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     halfstep::load_state(s, bytes, config_);  // throws before anything changes
     wait_last_step();
     write_state(s);
+    settle_uploads();
     if (config_.host_driven) scaler_.set_state(s.scaler);
   }
 
@@ -263,6 +265,10 @@ class CudaImpl final : public FusedAdamW::Impl {
     const DeviceState d = to_device_state(s);
     upload(d_state_, &d, 1);
   }
+
+  // Copies from pageable host memory may return before they land, and steps may run on streams
+  // that do not wait for the legacy stream those copies used: wait for them here.
+  void settle_uploads() { HALFSTEP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy)); }
 
   void record_done(Stream stream, bool capturing) {
     if (capturing) {  // an event node in the graph: every replay records it

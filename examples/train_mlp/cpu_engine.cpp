@@ -140,6 +140,7 @@ class CpuEngine final : public Engine {
     }
   }
 
+  halfstep::Stream stream() const override { return nullptr; }
   void step(halfstep::FusedAdamW& opt) override { opt.step(); }
   float loss(std::int64_t step) override { return losses_[static_cast<std::size_t>(step)]; }
 

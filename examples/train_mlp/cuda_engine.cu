@@ -142,6 +142,7 @@ class CudaEngine final : public Engine {
     g_a_ = device_alloc<__half>(b * widest);
     g_b_ = device_alloc<__half>(b * widest);
     losses_ = device_alloc<float>(static_cast<std::size_t>(steps));
+    settle();
   }
 
   ~CudaEngine() override {
@@ -237,6 +238,7 @@ class CudaEngine final : public Engine {
     }
   }
 
+  halfstep::Stream stream() const override { return stream_; }
   void step(halfstep::FusedAdamW& opt) override { opt.step(stream_); }
 
   float loss(std::int64_t step) override {
@@ -274,11 +276,15 @@ class CudaEngine final : public Engine {
       TRAIN_CHECK(cudaMemcpy(p.v, v[t].data(), p.n * 4, cudaMemcpyHostToDevice));
       TRAIN_CHECK(cudaMemcpy(p.model, model.data(), p.n * 2, cudaMemcpyHostToDevice));
     }
+    settle();
   }
 
   void sync() override { TRAIN_CHECK(cudaStreamSynchronize(stream_)); }
-
  private:
+  // Copies from pageable memory use the legacy stream and may return before they land; the
+  // engine's own stream does not wait for it.
+  void settle() { TRAIN_CHECK(cudaStreamSynchronize(cudaStreamLegacy)); }
+
   struct Param {
     std::size_t n = 0;
     std::int32_t group = 0;

@@ -365,11 +365,14 @@ int run(const Options& o) {
   auto t_last = t0;
   std::int64_t last_print = start;
   std::vector<float> losses;
-  std::int64_t spikes = 0;
+  float last_lr = NAN;
   for (std::int64_t step = start; step < steps; ++step) {
     const float lr = scenario.lr(step);
-    opt.set_lr(0, lr);
-    opt.set_lr(1, lr);
+    if (lr != last_lr) {  // ordered before this step's update, on the engine's stream
+      opt.set_lr(0, lr, engine->stream());
+      opt.set_lr(1, lr, engine->stream());
+      last_lr = lr;
+    }
     const float factor = step == scenario.spike_step ? scenario.spike_factor : 1.0f;
     engine->forward_backward(step, opt, factor);
     engine->step(opt);
@@ -377,7 +380,6 @@ int run(const Options& o) {
     if (trace || print) {
       const StepReport r = opt.last_report();
       const float loss = engine->loss(step);
-      spikes += r.spike ? 1 : 0;
       if (trace) trace_row(trace, r, loss, lr);
       if (print) {
         const auto now = std::chrono::steady_clock::now();
@@ -421,7 +423,6 @@ int run(const Options& o) {
               static_cast<long long>(s.spike.spikes));
   std::printf("  loss scale %s: %lld growths, %lld backoffs\n", log2_text(s.scaler.scale).c_str(),
               static_cast<long long>(s.scaler.growths), static_cast<long long>(s.scaler.backoffs));
-  (void)spikes;
   if (!o.checkpoint.empty()) {
     save_checkpoint(o.checkpoint, steps, dims, o.seed, opt, *engine);
     std::printf("  checkpoint written to %s\n", o.checkpoint.c_str());

@@ -68,6 +68,8 @@ class Engine {
   /// Forward, loss and backward on batch `step`, seeded with the loss scale `opt` holds (read
   /// on the device, no synchronisation) times `grad_factor` (1 except for injected spikes).
   virtual void forward_backward(std::int64_t step, const halfstep::FusedAdamW& opt, float grad_factor) = 0;
+  /// The stream the engine's work runs on (null: the default stream); set_lr goes there too.
+  virtual halfstep::Stream stream() const = 0;
   /// Enqueues the optimizer step after forward_backward.
   virtual void step(halfstep::FusedAdamW& opt) = 0;
   /// The loss of batch `step` (waits for it).

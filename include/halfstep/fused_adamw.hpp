@@ -53,7 +53,9 @@ class FusedAdamW {
 
   /// Enqueues one step on `stream`. Device-resident: never blocks. Host-driven: waits once for
   /// pass 1's verdict, runs DynamicLossScaler on the host and launches pass 2 only to apply.
-  /// Backend::reference runs the step at once on the host and ignores `stream`.
+  /// Backend::reference runs the step at once on the host and ignores `stream`. Steps read and
+  /// write the same workspace: successive steps must be ordered (one stream, or streams joined
+  /// by events), as must the work that writes the gradients before a step.
   void step(Stream stream = nullptr);
 
   /// The last step's report; waits for that step only. Throws if no step has run.

@@ -67,6 +67,9 @@ struct DeviceArray {
   void upload(const std::vector<T>& h) {
     REQUIRE(h.size() == n);
     if (n) GPU_CHECK(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+    // A copy from pageable memory may return before it lands; steps on non-blocking streams do
+    // not wait for it.
+    GPU_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   }
   void download(std::vector<T>& h) const {
     h.resize(n);
