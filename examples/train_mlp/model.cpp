@@ -21,18 +21,43 @@ std::vector<TensorShape> tensor_shapes(const Dims& dims) {
   return shapes;
 }
 
-std::vector<float> teacher_forward(const Dims& dims, const std::vector<std::vector<float>>& w,
-                                   const float* x) {
-  std::vector<double> a(x, x + dims.d_in), next;
+std::vector<std::vector<float>> teacher_masters(const Dims& dims, std::uint64_t seed) {
+  std::mt19937_64 rng(seed ^ 0x5DEECE66Dull);
+  const int k = teacher_width(dims);
+  std::vector<std::vector<float>> w;
   for (int l = 0; l < dims.layers(); ++l) {
     const int in = dims.fan_in(l), out = dims.fan_out(l);
+    const int live_in = l == 0 ? in : k, live_out = l == dims.layers() - 1 ? out : k;
+    std::normal_distribution<double> normal(0.0, std::sqrt((l == dims.layers() - 1 ? 1.0 : 2.0) / live_in));
+    std::vector<float> weight(static_cast<std::size_t>(out) * static_cast<std::size_t>(in), 0.0f);
+    for (int o = 0; o < live_out; ++o) {
+      for (int i = 0; i < live_in; ++i) {
+        weight[static_cast<std::size_t>(o) * static_cast<std::size_t>(in) + static_cast<std::size_t>(i)] =
+            static_cast<float>(normal(rng));
+      }
+    }
+    w.push_back(std::move(weight));
+    w.emplace_back(static_cast<std::size_t>(out), 0.0f);
+  }
+  return w;
+}
+
+std::vector<float> teacher_forward(const Dims& dims, const std::vector<std::vector<float>>& w,
+                                   const float* x) {
+  const int k = teacher_width(dims);
+  std::vector<double> a(x, x + dims.d_in), next;
+  for (int l = 0; l < dims.layers(); ++l) {
+    const int in = dims.fan_in(l);
+    const bool last = l == dims.layers() - 1;
+    const int live_in = l == 0 ? in : k, live_out = last ? dims.fan_out(l) : k;
     const std::vector<float>& weight = w[static_cast<std::size_t>(2 * l)];
     const std::vector<float>& bias = w[static_cast<std::size_t>(2 * l + 1)];
-    next.assign(static_cast<std::size_t>(out), 0.0);
-    for (int o = 0; o < out; ++o) {
+    next.assign(static_cast<std::size_t>(live_out), 0.0);
+    for (int o = 0; o < live_out; ++o) {
       double z = bias[static_cast<std::size_t>(o)];
-      for (int i = 0; i < in; ++i) z += static_cast<double>(weight[static_cast<std::size_t>(o) * static_cast<std::size_t>(in) + static_cast<std::size_t>(i)]) * a[static_cast<std::size_t>(i)];
-      next[static_cast<std::size_t>(o)] = l == dims.layers() - 1 ? z : std::max(z, 0.0);
+      const float* row = &weight[static_cast<std::size_t>(o) * static_cast<std::size_t>(in)];
+      for (int i = 0; i < live_in; ++i) z += static_cast<double>(row[i]) * a[static_cast<std::size_t>(i)];
+      next[static_cast<std::size_t>(o)] = last ? z : std::max(z, 0.0);
     }
     a.swap(next);
   }

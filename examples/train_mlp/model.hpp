@@ -33,15 +33,23 @@ struct Dims {
 };
 
 /// The dataset: x ~ N(0, I) (samples × d_in, already rounded to fp16 values, as the network
-/// sees them) and y = teacher(x) computed in double (samples × d_out, fp32). Row-major. The
-/// teacher has the student's architecture, so the task is exactly learnable.
+/// sees them) and y = teacher(x) computed in double (samples × d_out, fp32). Row-major.
 struct Dataset {
   std::vector<float> x, y;
 };
 Dataset make_dataset(const Dims& dims, const std::vector<std::vector<float>>& teacher,
                      std::uint64_t seed);
 
-/// The network with weights `w` (tensor_shapes order) applied to one input, in double.
+/// Hidden units the teacher uses in each hidden layer.
+inline int teacher_width(const Dims& dims) { return dims.width < 64 ? dims.width : 64; }
+
+/// The teacher: weights of the student's shape (tensor_shapes order) in which only the first
+/// teacher_width units of each hidden layer are connected, He-normal over the connected inputs.
+/// The student can represent it exactly, so the loss can keep falling for as long as the
+/// learning rate lets it, and its forward pass stays cheap at any width.
+std::vector<std::vector<float>> teacher_masters(const Dims& dims, std::uint64_t seed);
+
+/// The teacher applied to one input, in double, over its connected units only.
 std::vector<float> teacher_forward(const Dims& dims, const std::vector<std::vector<float>>& w,
                                    const float* x);
 
