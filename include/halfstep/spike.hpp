@@ -1,6 +1,8 @@
 // halfstep: gradient-spike detection on the unscaled global norm. The statistics are an
 // exponential moving average of log‖g‖ and of its variance; a finite norm far above that
-// history is a spike, which can be logged or skipped.
+// history is a spike, which can be logged or skipped. While the norm is still falling fast (often
+// the first few hundred steps) its deviations from the lagging mean inflate the variance, and the
+// detector is less sensitive until that history decays (a factor ema_beta per step).
 #pragma once
 
 #include <math.h>
