@@ -83,7 +83,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     const TensorTable table = build_tensor_table(tensors);
     n_tensors_ = table.tensors.size();
     n_chunks_ = static_cast<std::int64_t>(table.chunks.size());
-    chunk_tensor_ = table.chunks;
+    chunks_ = table.chunks;
     const std::size_t n_groups = config_.groups.size();
 
     // One device allocation for everything the step reads and writes besides the tensors.
@@ -202,7 +202,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     }
     std::vector<std::uint32_t> counts(partials.size());
     for (std::size_t c = 0; c < partials.size(); ++c) counts[c] = partials[c].nonfinite;
-    return per_tensor_counts(chunk_tensor_, counts, n_tensors_);
+    return per_tensor_counts(chunks_, counts, n_tensors_);
   }
 
   void set_lr(std::int32_t group, float lr, Stream stream) override {
@@ -286,7 +286,7 @@ class CudaImpl final : public FusedAdamW::Impl {
   int device_ = -1;
   std::size_t n_tensors_ = 0;
   std::int64_t n_chunks_ = 0;
-  std::vector<ChunkDesc> chunk_tensor_;
+  std::vector<ChunkDesc> chunks_;
   DynamicLossScaler scaler_;
   DeviceMemory workspace_;
   PinnedMemory pinned_;

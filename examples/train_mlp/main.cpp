@@ -9,7 +9,6 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
-#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -367,7 +366,6 @@ int run(const Options& o) {
   const auto t0 = std::chrono::steady_clock::now();
   auto t_last = t0;
   std::int64_t last_print = start;
-  std::vector<float> losses;
   float last_lr = NAN;
   for (std::int64_t step = start; step < steps; ++step) {
     const float lr = scenario.lr(step);
