@@ -1,6 +1,8 @@
 // Pass 2 of the step: unscale, clip and AdamW on the fp32 masters and moments, and the model copy
 // in its 16-bit format. Every block reads finalize's decision first and returns at once on a
 // skipped step, so a skipped step writes nothing anywhere.
+#include "device.cuh"
+
 #include "cuda_check.hpp"
 #include "gradient.cuh"
 #include "launch.hpp"
@@ -11,14 +13,14 @@ namespace {
 
 // Eight consecutive floats through two 16-byte accesses, held in registers.
 __device__ inline void load8(const float* src, float (&dst)[kVecElems]) {
-  const float4 a = *reinterpret_cast<const float4*>(src);
-  const float4 b = *reinterpret_cast<const float4*>(src + 4);
+  const float4 a = load16<float4>(src);
+  const float4 b = load16<float4>(src + 4);
   dst[0] = a.x; dst[1] = a.y; dst[2] = a.z; dst[3] = a.w;
   dst[4] = b.x; dst[5] = b.y; dst[6] = b.z; dst[7] = b.w;
 }
 __device__ inline void store8(float* dst, const float (&src)[kVecElems]) {
-  *reinterpret_cast<float4*>(dst) = make_float4(src[0], src[1], src[2], src[3]);
-  *reinterpret_cast<float4*>(dst + 4) = make_float4(src[4], src[5], src[6], src[7]);
+  store16(dst, make_float4(src[0], src[1], src[2], src[3]));
+  store16(dst + 4, make_float4(src[4], src[5], src[6], src[7]));
 }
 
 template <DType kGrad, DType kModel>
@@ -45,7 +47,7 @@ __global__ void __launch_bounds__(kPassThreads)
     for (int i = static_cast<int>(threadIdx.x); i < n_vec; i += kPassThreads) {
       const std::int64_t at = static_cast<std::int64_t>(i) * kVecElems;
       std::uint16_t g_bits[kVecElems];
-      unpack8(*reinterpret_cast<const uint4*>(grad + at), g_bits);
+      unpack8(load16<uint4>(grad + at), g_bits);
       float p[kVecElems], m[kVecElems], v[kVecElems];
       load8(master + at, p);
       load8(exp_avg + at, m);
@@ -61,7 +63,7 @@ __global__ void __launch_bounds__(kPassThreads)
         std::uint16_t out[kVecElems];
 #pragma unroll
         for (int j = 0; j < kVecElems; ++j) out[j] = M::from_float(p[j]);
-        *reinterpret_cast<uint4*>(model + at) = pack8(out);
+        store16(model + at, pack8(out));
       }
     }
     done = n_vec * kVecElems;
@@ -81,9 +83,9 @@ void launch_for_grad(DType model_dtype, dim3 grid, const TensorDesc* tensors,
                      const ChunkDesc* chunks, const Decision* decision, const GroupConsts* consts,
                      cudaStream_t stream) {
   if (model_dtype == DType::bf16) {
-    apply_kernel<kGrad, DType::bf16><<<grid, kPassThreads, 0, stream>>>(tensors, chunks, decision, consts);
+    HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, apply_kernel<kGrad, DType::bf16>)(tensors, chunks, decision, consts);
   } else {
-    apply_kernel<kGrad, DType::f16><<<grid, kPassThreads, 0, stream>>>(tensors, chunks, decision, consts);
+    HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, apply_kernel<kGrad, DType::f16>)(tensors, chunks, decision, consts);
   }
 }
 

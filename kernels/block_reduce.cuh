@@ -3,6 +3,8 @@
 // order; no atomics.
 #pragma once
 
+#include "device.cuh"
+
 #include <cstdint>
 
 namespace halfstep::detail {

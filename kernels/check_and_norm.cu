@@ -1,6 +1,8 @@
 // Pass 1 of the step: one read of every gradient of every tensor, in one launch. Each block owns
 // one chunk and writes its partial: Σg² of the finite values, max|g|, and the counts of inf/NaN,
 // subnormal and zero elements. Nothing is decided here; finalize reduces the partials.
+#include "device.cuh"
+
 #include "block_reduce.cuh"
 #include "cuda_check.hpp"
 #include "gradient.cuh"
@@ -73,9 +75,9 @@ __global__ void __launch_bounds__(kPassThreads)
   }
 
   // The chunk's partial: Σg² widened to fp64 before the block combines it.
-  __shared__ double sum_scratch[kPassThreads / 32];
-  __shared__ float max_scratch[kPassThreads / 32];
-  __shared__ unsigned count_scratch[kPassThreads / 32];
+  HALFSTEP_SHARED(double[kPassThreads / 32], sum_scratch);
+  HALFSTEP_SHARED(float[kPassThreads / 32], max_scratch);
+  HALFSTEP_SHARED(unsigned[kPassThreads / 32], count_scratch);
   const double sum_sq =
       block_reduce<kPassThreads>(static_cast<double>(m.sum_sq), Sum{}, sum_scratch);
   const float max_abs = block_reduce<kPassThreads>(m.max_abs, Max{}, max_scratch);
@@ -94,9 +96,9 @@ void launch_check_and_norm(DType grad_dtype, const TensorDesc* tensors, const Ch
   if (n_chunks == 0) return;  // only empty tensors: finalize sees no partials
   const dim3 grid(static_cast<unsigned>(n_chunks));
   if (grad_dtype == DType::bf16) {
-    check_and_norm_kernel<DType::bf16><<<grid, kPassThreads, 0, stream>>>(tensors, chunks, partials);
+    HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, check_and_norm_kernel<DType::bf16>)(tensors, chunks, partials);
   } else {
-    check_and_norm_kernel<DType::f16><<<grid, kPassThreads, 0, stream>>>(tensors, chunks, partials);
+    HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, check_and_norm_kernel<DType::f16>)(tensors, chunks, partials);
   }
   HALFSTEP_CUDA_CHECK(cudaGetLastError());
 }

@@ -3,6 +3,8 @@
 // in fp64, so the norm is bitwise reproducible. Then one thread runs decide() — the overflow
 // verdict, norm, spike check, clip coefficient, scaler transition and report — and the block
 // computes each group's constants for pass 2.
+#include "device.cuh"
+
 #include <cstdint>
 
 #include "block_reduce.cuh"
@@ -28,11 +30,11 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const Finali
     if (q.nonfinite != 0 && first_bad == kNone) first_bad = i;
   }
 
-  __shared__ double sum_scratch[kFinalizeThreads / 32];
-  __shared__ float max_scratch[kFinalizeThreads / 32];
-  __shared__ std::int64_t count_scratch[kFinalizeThreads / 32];
-  __shared__ std::int64_t applied_step;
-  __shared__ int apply;
+  HALFSTEP_SHARED(double[kFinalizeThreads / 32], sum_scratch);
+  HALFSTEP_SHARED(float[kFinalizeThreads / 32], max_scratch);
+  HALFSTEP_SHARED(std::int64_t[kFinalizeThreads / 32], count_scratch);
+  HALFSTEP_SHARED(std::int64_t, applied_step);
+  HALFSTEP_SHARED(int, apply);
   Totals t;
   t.sum_sq = block_reduce<kFinalizeThreads>(sum_sq, Sum{}, sum_scratch);
   t.max_abs = block_reduce<kFinalizeThreads>(max_abs, Max{}, max_scratch);
@@ -67,12 +69,12 @@ __global__ void store_kernel(float* where, float value) { *where = value; }
 }  // namespace
 
 void launch_finalize(const FinalizeArgs& args, cudaStream_t stream) {
-  finalize_kernel<<<1, kFinalizeThreads, 0, stream>>>(args);
+  HALFSTEP_LAUNCH(1, kFinalizeThreads, 0, stream, finalize_kernel)(args);
   HALFSTEP_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_store(float* where, float value, cudaStream_t stream) {
-  store_kernel<<<1, 1, 0, stream>>>(where, value);
+  HALFSTEP_LAUNCH(1, 1, 0, stream, store_kernel)(where, value);
   HALFSTEP_CUDA_CHECK(cudaGetLastError());
 }
 

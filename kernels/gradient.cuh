@@ -1,6 +1,8 @@
 // Internal device helpers: reading 16-bit gradients and writing 16-bit model copies, per format.
 #pragma once
 
+#include "device.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
