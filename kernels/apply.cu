@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kPassThreads)
     apply_kernel(const TensorDesc* __restrict__ tensors, const ChunkDesc* __restrict__ chunks,
                  const Decision* __restrict__ decision, const GroupConsts* __restrict__ consts) {
   if (decision->apply == 0) return;
-  const float coef = decision->coef;  // clip / S
+  const Decision d = *decision;
   const ChunkDesc chunk = chunks[blockIdx.x];
   const TensorDesc tensor = tensors[chunk.tensor];
   const GroupConsts k = consts[tensor.group];
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kPassThreads)
       load8(exp_avg_sq + at, v);
 #pragma unroll
       for (int j = 0; j < kVecElems; ++j) {
-        adamw_update(p[j], m[j], v[j], G::to_float(g_bits[j]) * coef, k);
+        adamw_update(p[j], m[j], v[j], unscale(G::to_float(g_bits[j]), d), k);
       }
       store8(master + at, p);
       store8(exp_avg + at, m);
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kPassThreads)
   }
   for (int i = done + static_cast<int>(threadIdx.x); i < chunk.len; i += kPassThreads) {
     float p = master[i], m = exp_avg[i], v = exp_avg_sq[i];
-    adamw_update(p, m, v, G::to_float(grad[i]) * coef, k);
+    adamw_update(p, m, v, unscale(G::to_float(grad[i]), d), k);
     master[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;

@@ -12,6 +12,37 @@
 
 namespace halfstep::detail {
 
+/// Stores c > 0 as pre · coef · post_a · post_b (see Decision), c = coef · 2^e. For e > 0 half the
+/// exponent comes first, lifting a subnormal bf16 gradient into fp32's normal range before coef
+/// rounds it; for e <= 0 it all comes after, split in two so each factor is an fp32 number. The
+/// product moves monotonically towards its final magnitude, so no intermediate leaves the range
+/// the result lies in. Exponents stop at -149, the smallest fp32 power of two (c < 2^-298 takes
+/// every fp16/bf16 gradient below fp32's range anyway).
+HALFSTEP_HD inline void set_coefficient(Decision& d, double c) {
+  int e = 0;
+  const double m = ::frexp(c, &e);  // c = m · 2^e, m in [0.5, 1)
+  int pre = 0, a = 0, b = 0;
+  if (e > 0) {
+    pre = (e + 1) / 2;
+    a = e - pre;
+  } else {
+    a = e / 2;
+    if (a < -149) a = -149;
+    b = e - a;
+    if (b < -149) b = -149;
+  }
+  d.coef = static_cast<float>(m);
+  d.pre = static_cast<float>(::ldexp(1.0, pre));
+  d.post_a = static_cast<float>(::ldexp(1.0, a));
+  d.post_b = static_cast<float>(::ldexp(1.0, b));
+}
+
+/// The unscaled, clipped gradient raw · clip / S, rounded once (by coef) where it is an fp32
+/// normal number; the powers of two are exact.
+HALFSTEP_HD inline float unscale(float raw, const Decision& d) {
+  return raw * d.pre * d.coef * d.post_a * d.post_b;
+}
+
 /// Turns one step's totals into the outcome, the report, the decision for pass 2 and the next
 /// state. `report` must come in with scale_used unset; everything it holds is written here.
 HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const DecideParams& p,
@@ -59,7 +90,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const D
       if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, false, report.headroom_log2);
       report.outcome = Outcome::applied;
       decision.apply = 1;
-      decision.coef = static_cast<float>(clip / static_cast<double>(scale));
+      set_coefficient(decision, clip / static_cast<double>(scale));
     }
   }
   report.step = state.step;
@@ -90,7 +121,9 @@ HALFSTEP_HD inline void adamw_update(float& p, float& m, float& v, float g, cons
   if (k.classic) g = g + k.l2 * p;      // classic L2: the decay joins the gradient
   p = p * k.decay;                      // decoupled decay shrinks the weight (decay is 1 otherwise)
   m = k.beta1 * m + k.one_minus_beta1 * g;          // first moment
-  v = k.beta2 * v + k.one_minus_beta2 * (g * g);    // second moment
+  v = k.beta2 * v + (k.one_minus_beta2 * g) * g;    // second moment; (1 - beta2)·g first, so
+                                                    // g² past fp32 (|g| > 1.8e19) does not overflow
+                                                    // where (1 - beta2)·g² itself fits
   const float denom = sqrtf(v) / k.sqrt_bc2 + k.eps;
   p = p - k.step_size * (m / denom);
 }

@@ -78,10 +78,16 @@ struct DeviceState {
   std::int64_t attempts;
 };
 
-/// Finalize's verdict, read by every block of pass 2.
+/// Finalize's verdict, read by every block of pass 2. The factor clip / S that unscales and clips
+/// is pre · coef · post_a · post_b: a mantissa rounded once to fp32 and exact powers of two, so
+/// the factor keeps fp32's full precision even where clip / S itself would be subnormal in fp32
+/// (a huge norm against a small max_grad_norm) or past its range (S below ~2^-128).
 struct Decision {
   std::int32_t apply;  // 1: pass 2 updates; 0: it returns at once
-  float coef;          // clip / S: unscales and clips in one multiply
+  float coef;          // in [0.5, 1]
+  float pre;           // a power of two >= 1, applied before coef
+  float post_a;        // powers of two applied after coef: both >= 1 or both <= 1
+  float post_b;
 };
 
 /// The sums over all chunks that the decision needs.

@@ -4,11 +4,12 @@
 // With u = 2^-24 (fp32 unit roundoff), each fp32 operation adds at most u times its result.
 // Following the kernel's order for one element with stored inputs p, m, v (fp32), raw gradient x
 // (exact), loss scale S and clip coefficient c (relative error dc against the reference's):
-//   g  = x·fl(c/S)                      |e_g|  <= |g|·(dc + 2u)
+//   g  = x·fl(c/S)                      |e_g|  <= |g|·(dc + 2u)   (c/S as an fp32 mantissa times
+//                                                                  exact powers of two: one rounding)
 //   g' = g + wd·p (classic only)        |e_g'| <= |e_g| + 2u(|g| + wd|p|)
 //   pd = p·fl(1 - lr·wd)                |e_pd| <= 2u|p|
 //   m' = b1·m + fl(1-b1)·g'             |e_m|  <= (1-b1)(|e_g'| + 2u|g'|) + u(b1|m| + |m'|)
-//   v' = b2·v + fl(1-b2)·g'²            |e_v|  <= (1-b2)(2|g'||e_g'| + 3u·g'²) + u(b2·v + v')
+//   v' = b2·v + (fl(1-b2)·g')·g'        |e_v|  <= (1-b2)(2|g'||e_g'| + 3u·g'²) + u(b2·v + v')
 //   D  = sqrt(v')/fl(sqrt(bc2)) + eps   |e_D|  <= (e_sqrt + 3u·sqrt(v'))/sqrt(bc2) + u·D,
 //        with e_sqrt = min(|e_v| / (2 sqrt(v')), sqrt(|e_v|)), the absolute error of sqrt(v')
 //   r  = m'/D                           |e_r|  <= |e_m|/D + |m'|·|e_D|/D² + u|r|

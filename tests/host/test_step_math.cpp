@@ -102,7 +102,9 @@ TEST_CASE("decide reproduces the reference report and state exactly", "[step_mat
     REQUIRE(decision.apply == (r.outcome == Outcome::applied ? 1 : 0));
     if (decision.apply) {
       const double clip = std::min(1.0, static_cast<double>(c.max_grad_norm) / (r.grad_norm + 1e-6));
-      REQUIRE(decision.coef == static_cast<float>(clip / r.scale_used));
+      // The factor is clip / S to within one fp32 rounding of its mantissa; the scales are exact.
+      const double factor = static_cast<double>(decision.pre) * decision.coef * decision.post_a * decision.post_b;
+      REQUIRE(std::fabs(factor - clip / r.scale_used) <= std::ldexp(clip / r.scale_used, -24));
     }
     overflows += r.outcome == Outcome::skipped_overflow;
     spikes += r.outcome == Outcome::skipped_spike;
@@ -176,7 +178,7 @@ TEST_CASE("the fp32 element update stays within the derived bound of the referen
     for (std::size_t i = 0; i < t.grad.size(); ++i) {
       float p = before.tensors[0].master[i], mm = before.tensors[0].exp_avg[i], vv = before.tensors[0].exp_avg_sq[i];
       const double x = from_f16_bits(before.tensors[0].grad[i]);
-      adamw_update(p, mm, vv, static_cast<float>(x) * d.coef, k);
+      adamw_update(p, mm, vv, unscale(static_cast<float>(x), d), k);
       const auto b = halfstep_test::adam_bound(before.tensors[0].master[i], before.tensors[0].exp_avg[i],
                                                before.tensors[0].exp_avg_sq[i], x, scale, clip, 0.0, h, ref.step);
       CAPTURE(trial, i, x, p, t.master[i]);
@@ -224,12 +226,61 @@ TEST_CASE("the fp32 element update is bitwise scale invariant for power-of-two s
       REQUIRE(d.apply == 1);
       const GroupConsts k = group_consts(gp, c.groups[0].lr, dev.step);
       for (std::size_t i = 0; i < 500; ++i) {
-        adamw_update(p[i], m[i], v[i], static_cast<float>(from_f16_bits(x[i])) * d.coef, k);
+        adamw_update(p[i], m[i], v[i], unscale(static_cast<float>(from_f16_bits(x[i])), d), k);
       }
     }
   }
   CHECK(std::memcmp(p1.data(), p2.data(), 500 * sizeof(float)) == 0);
   CHECK(std::memcmp(v1.data(), v2.data(), 500 * sizeof(float)) == 0);
+}
+
+TEST_CASE("the unscale factor keeps fp32 precision where clip / S is subnormal or past fp32", "[step_math]") {
+  // clip / S from 1 down to 1e-60 and up to 2^140 (S below fp32's normal range): raw · factor must
+  // be raw · (clip / S) rounded once, wherever that product is an fp32 normal number.
+  std::mt19937_64 rng(41);
+  std::uniform_real_distribution<double> mantissa(0.5, 1.0);
+  int checked = 0;
+  for (int e = -200; e <= 140; e += 3) {
+    const double c = std::ldexp(mantissa(rng), e);
+    Decision d{};
+    set_coefficient(d, c);
+    CHECK(d.coef >= 0.5f);
+    CHECK(d.coef <= 1.0f);
+    CHECK(std::fabs(static_cast<double>(d.pre) * d.coef * d.post_a * d.post_b - c) <= std::ldexp(c, -24));
+    for (int k = 0; k < 50; ++k) {
+      const float raw = static_cast<float>(from_bf16_bits(static_cast<std::uint16_t>(rng() & 0x7F7Fu)));
+      const double exact = static_cast<double>(raw) * c;
+      if (!(std::fabs(exact) >= 0x1p-126 && std::fabs(exact) <= 0x1.fffffep127)) continue;
+      // Two roundings at most (of the mantissa and of the product): 2 ulps.
+      const double got = unscale(raw, d);
+      CAPTURE(e, raw, c, got, exact);
+      REQUIRE(std::fabs(got - exact) <= std::ldexp(std::fabs(exact), -23));
+      ++checked;
+    }
+  }
+  CHECK(checked > 2000);
+  // The single fp32 factor this replaces: clip / S = 2.1e-43 is 149.86 times fp32's smallest
+  // subnormal, so it rounds to 150 of them, an error of 2^-10.
+  const double c = 2.1e-43;
+  Decision d{};
+  set_coefficient(d, c);
+  const float raw = 1.0e10f;
+  CHECK(std::fabs(unscale(raw, d) - raw * c) <= std::ldexp(raw * c, -23));
+  CHECK(std::fabs(raw * static_cast<float>(c) - raw * c) > std::ldexp(raw * c, -11));
+}
+
+TEST_CASE("the second moment of a gradient beyond 1.8e19 stays finite where (1 - beta2) g^2 fits", "[step_math]") {
+  AdamWConfig h;
+  const GroupConsts k = group_consts(group_params(h), h.lr, 1);
+  for (const double g : {2.0e19, 6.0e19, 1.0e20, 4.0e20}) {
+    float p = 0.5f, m = 0.0f, v = 0.0f;
+    adamw_update(p, m, v, static_cast<float>(g), k);
+    const double want = (1.0 - static_cast<double>(h.beta2)) * g * g;
+    CAPTURE(g, v, want);
+    REQUIRE(std::isfinite(v));
+    REQUIRE(std::fabs(v - want) <= 4 * std::ldexp(want, -24));
+    REQUIRE(std::isfinite(p));
+  }
 }
 
 TEST_CASE("group constants follow the bias-corrected formula", "[step_math]") {
