@@ -11,6 +11,7 @@
 
 namespace halfstep_test {
 bool g_skipped = false;
+std::string g_digest_dir;
 void skip_test(const std::string& why) {
   std::printf("SKIPPED: %s\n", why.c_str());
   g_skipped = true;
@@ -19,6 +20,10 @@ void skip_test(const std::string& why) {
 
 int main(int argc, char** argv) {
   Catch::Session session;
+  using Catch::clara::Opt;
+  session.cli(session.cli() |
+              Opt(halfstep_test::g_digest_dir, "dir")["--digest-dir"](
+                  "write a digest of every buffer each case-matrix case wrote into dir"));
   const int rc = session.applyCommandLine(argc, argv);
   if (rc != 0) return rc;
   const Catch::ConfigData& c = session.configData();

@@ -20,6 +20,8 @@ namespace halfstep_test {
 
 inline constexpr int kSkipReturnCode = 77;
 extern bool g_skipped;
+/// Where the case matrix writes its digests (--digest-dir); empty: nowhere.
+extern std::string g_digest_dir;
 
 /// True when HALFSTEP_TEST_REDUCED is set (and not "0"): the largest cases shrink so the suite
 /// fits under compute-sanitizer (bench/gpu_check.sh).
