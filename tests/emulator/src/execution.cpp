@@ -115,6 +115,7 @@ struct Lane {
   const void* stack_bottom = nullptr;
   std::size_t stack_size = 0;
   void* fake_stack = nullptr;
+  bool started = false;
 };
 
 // Hands out pooled stacks and tells the lane where its stack is (for ASan's fiber annotations).
@@ -318,6 +319,7 @@ class Executor {
   // Switching between the scheduler and a lane (with ASan's fiber annotations when present).
   void resume(int i) {
     Lane& l = lanes_[static_cast<std::size_t>(i)];
+    if (!l.started) start_lane(i);  // fibers are made when a thread first runs
     t_lane = &l;
 #if defined(HALFSTEP_EMU_ASAN)
     __sanitizer_start_switch_fiber(&scheduler_fake_stack_, l.stack_bottom, l.stack_size);
@@ -338,10 +340,12 @@ class Executor {
 #if defined(HALFSTEP_EMU_ASAN)
     __sanitizer_finish_switch_fiber(l.fake_stack, &scheduler_stack_bottom_, &scheduler_stack_size_);
 #endif
+    if (cancelling_) throw LaneFault{};  // the block faulted elsewhere: leave the kernel
   }
 
   void start_lane(int i) {
     Lane& l = lanes_[static_cast<std::size_t>(i)];
+    l.started = true;
     l.fiber = bctx::fiber(std::allocator_arg, LaneStackAllocator{&stacks_, &l},
                           [this, i](bctx::fiber&& from) {
       Lane& me = lanes_[static_cast<std::size_t>(i)];
@@ -386,8 +390,8 @@ class Executor {
       l.state.block_dim = block_;
       l.state.grid_dim = grid_;
       l.status = Status::runnable;
+      l.started = false;
       runnable_[i / 32] |= 1u << (i % 32);
-      start_lane(i);
     }
     draw_priorities();
     Counters& c = internal::mutable_counters();
@@ -404,13 +408,14 @@ class Executor {
       if (!faulted_) after_resume(i);
     }
     if (faulted_) {
-      // Unwind every lane still suspended (Boost.Context's forced unwind), then report.
-      for (Lane& l : lanes_) {
-        t_lane = &l;
-        l.fiber = bctx::fiber{};
-        l.scheduler = bctx::fiber{};
+      // Resume every lane suspended at a synchronisation point once more; it leaves the kernel by
+      // an exception thrown on its own stack, so its frames unwind in order (lanes that never ran
+      // have no fiber). Then report.
+      cancelling_ = true;
+      for (int i = 0; i < n_threads_; ++i) {
+        if (lanes_[static_cast<std::size_t>(i)].fiber) resume(i);
       }
-      t_lane = nullptr;
+      cancelling_ = false;
       t_exec = nullptr;
       ++c.faults;
       internal::set_sticky_fault(code_, message_);
@@ -727,6 +732,7 @@ class Executor {
   std::vector<Site> sites_;
   std::size_t shared_used_ = 0;
   bool faulted_ = false;
+  bool cancelling_ = false;
   cudaError_t code_ = cudaSuccess;
   std::string message_;
   StackPool stacks_;
