@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const Finali
     DeviceState state = *a.state;
     StepReport report{};
     Decision decision{};
-    decide(t, state, a.decide, report, decision);
+    decide(t, state, a.decide, a.params, a.lr, a.n_groups, report, decision);
     *a.state = state;
     *a.report = report;
     *a.decision = decision;

@@ -26,6 +26,7 @@ struct Format16<DType::f16> {
   __device__ static std::uint16_t from_float(float x) {  // round to nearest even
     return __half_as_ushort(__float2half_rn(x));
   }
+  __device__ static bool finite(std::uint16_t bits) { return (bits & 0x7C00u) != 0x7C00u; }
 };
 
 template <>
@@ -39,6 +40,7 @@ struct Format16<DType::bf16> {
   __device__ static std::uint16_t from_float(float x) {  // round to nearest even
     return __bfloat16_as_ushort(__float2bfloat16_rn(x));
   }
+  __device__ static bool finite(std::uint16_t bits) { return (bits & 0x7F80u) != 0x7F80u; }
 };
 
 /// The eight 16-bit values packed in a 16-byte vector, in memory order.

@@ -35,9 +35,10 @@ struct FinalizeArgs {
 void launch_finalize(const FinalizeArgs& args, cudaStream_t stream);
 
 /// Pass 2: one block per chunk; every block returns at once unless the decision is to apply.
+/// Elements held back because their update was not finite are added to report->held_elements.
 void launch_apply(DType grad_dtype, DType model_dtype, const TensorDesc* tensors,
                   const ChunkDesc* chunks, std::int64_t n_chunks, const Decision* decision,
-                  const GroupConsts* consts, cudaStream_t stream);
+                  const GroupConsts* consts, StepReport* report, cudaStream_t stream);
 
 /// Writes `value` to device memory `where`, ordered on `stream` (the learning rate of a group).
 void launch_store(float* where, float value, cudaStream_t stream);

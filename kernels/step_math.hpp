@@ -43,15 +43,48 @@ HALFSTEP_HD inline float unscale(float raw, const Decision& d) {
   return raw * d.pre * d.coef * d.post_a * d.post_b;
 }
 
+/// Why applying a step whose largest unscaled, clipped gradient is `g_max` (computed in double
+/// from pass 1's max|g|) could not give finite fp32 values, or SkipReason::none. These are the
+/// cases finalize can decide before anything is written; every rule is evaluated in double in a
+/// fixed order, so the reference backend, which states the same rules independently, reaches
+/// the same verdict bit for bit. `t` is the applied-step counter the step would have.
+HALFSTEP_HD inline SkipReason range_check(double g_max, const GroupParams* groups, const float* lr,
+                                          std::int32_t n_groups, std::int64_t t) {
+  const double fp32_max = 3.4028234663852886e38;  // FLT_MAX
+  for (std::int32_t i = 0; i < n_groups; ++i) {
+    const double rate = lr[i];
+    if (!(rate >= 0.0 && rate <= fp32_max)) return SkipReason::invalid_learning_rate;  // NaN too
+    if (groups[i].decoupled && rate * static_cast<double>(groups[i].weight_decay) >= 1.0) {
+      return SkipReason::invalid_learning_rate;
+    }
+  }
+  if (!(g_max <= fp32_max)) return SkipReason::gradient_exceeds_fp32;
+  for (std::int32_t i = 0; i < n_groups; ++i) {
+    const GroupParams& g = groups[i];
+    if ((1.0 - static_cast<double>(g.beta2)) * g_max * g_max > fp32_max) {
+      return SkipReason::second_moment_exceeds_fp32;
+    }
+    const double bc1 = g.bias_correction ? 1.0 - ::pow(static_cast<double>(g.beta1), static_cast<double>(t)) : 1.0;
+    const float step_size = static_cast<float>(static_cast<double>(lr[i]) / bc1);
+    if (!(step_size <= 3.40282347e38f)) return SkipReason::step_size_exceeds_fp32;
+  }
+  return SkipReason::none;
+}
+
 /// Turns one step's totals into the outcome, the report, the decision for pass 2 and the next
-/// state. `report` must come in with scale_used unset; everything it holds is written here.
+/// state. `groups` and `lr` (the learning rates as they are now, in device memory on the device)
+/// hold `n_groups` entries. Every field of `report` is written here (held_elements = 0; pass 2
+/// adds to it).
 HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const DecideParams& p,
+                               const GroupParams* groups, const float* lr, std::int32_t n_groups,
                                StepReport& report, Decision& decision) {
   const float scale = state.scaler.scale;
-  state.attempts += 1;
+  state.attempts = count_up(state.attempts);
   report.attempt = state.attempts;
   report.scale_used = scale;
   report.spike = false;
+  report.reason = SkipReason::none;
+  report.held_elements = 0;
   report.nonfinite_count = totals.nonfinite;
   report.first_nonfinite_tensor = totals.first_nonfinite_tensor;
   report.max_abs_scaled = totals.max_abs;
@@ -64,17 +97,17 @@ HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const D
   report.numel = p.numel;
   decision.apply = 0;
   decision.coef = 0.0f;
+  decision.pre = decision.post_a = decision.post_b = 1.0f;
 
   if (totals.nonfinite > 0) {  // overflow: nothing may be written; the scaler backs off
     if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, true);
     report.outcome = Outcome::skipped_overflow;
+    report.reason = SkipReason::nonfinite_gradient;
     report.grad_norm = NAN;
     report.clip_coef = NAN;
   } else {
     // The norm of the unscaled gradient, from the same read that checked it.
     const double norm = ::sqrt(totals.sum_sq) / static_cast<double>(scale);
-    const SpikeVerdict verdict = observe_norm(state.spike, p.spike, norm);
-    state.spike = verdict.next;
     double clip = 1.0;
     if (p.max_grad_norm > 0.0f) {
       clip = static_cast<double>(p.max_grad_norm) / (norm + 1e-6);
@@ -82,15 +115,28 @@ HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const D
     }
     report.grad_norm = norm;
     report.clip_coef = static_cast<float>(clip);
-    report.spike = verdict.spike;
-    if (verdict.spike && p.spike.action == SpikeConfig::Action::skip) {
-      report.outcome = Outcome::skipped_spike;  // the scale stays, nothing advances
+    const double factor = clip / static_cast<double>(scale);
+    const SkipReason range = range_check(static_cast<double>(totals.max_abs) * factor, groups, lr,
+                                         n_groups, count_up(state.step));
+    if (range != SkipReason::none) {
+      // Finite gradients, an update that would not be: nothing is written and nothing advances
+      // (the scale, the spike statistics, the applied-step counter); only the attempt counts.
+      report.outcome = Outcome::skipped_nonfinite_update;
+      report.reason = range;
     } else {
-      state.step += 1;
-      if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, false, report.headroom_log2);
-      report.outcome = Outcome::applied;
-      decision.apply = 1;
-      set_coefficient(decision, clip / static_cast<double>(scale));
+      const SpikeVerdict verdict = observe_norm(state.spike, p.spike, norm);
+      state.spike = verdict.next;
+      report.spike = verdict.spike;
+      if (verdict.spike && p.spike.action == SpikeConfig::Action::skip) {
+        report.outcome = Outcome::skipped_spike;  // the scale stays, nothing advances
+        report.reason = SkipReason::spike;
+      } else {
+        state.step = count_up(state.step);
+        if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, false, report.headroom_log2);
+        report.outcome = Outcome::applied;
+        decision.apply = 1;
+        set_coefficient(decision, factor);
+      }
     }
   }
   report.step = state.step;
@@ -115,6 +161,9 @@ HALFSTEP_HD inline GroupConsts group_consts(const GroupParams& g, float lr, std:
   k.eps = g.eps;
   return k;
 }
+
+/// True for a finite fp32 value (x - x is NaN for inf and NaN).
+HALFSTEP_HD inline bool finite32(float x) { return x - x == 0.0f; }
 
 /// AdamW on one element in fp32: `g` is the unscaled, clipped gradient.
 HALFSTEP_HD inline void adamw_update(float& p, float& m, float& v, float g, const GroupConsts& k) {

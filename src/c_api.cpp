@@ -2,6 +2,7 @@
 // plus a per-thread message.
 #include "halfstep/halfstep.h"
 
+#include <climits>
 #include <cstring>
 #include <new>
 #include <string>
@@ -147,7 +148,7 @@ halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensor
     require(out != nullptr, "out must not be NULL");
     *out = nullptr;
     require(config != nullptr, "config must not be NULL");
-    require(n_tensors >= 0, "n_tensors must be >= 0");
+    require(n_tensors >= 0 && n_tensors <= INT32_MAX, "n_tensors must be in [0, 2^31 - 1]");
     require(n_tensors == 0 || tensors != nullptr, "tensors must not be NULL when n_tensors > 0");
     require(config->backend == HALFSTEP_BACKEND_CUDA || config->backend == HALFSTEP_BACKEND_REFERENCE,
             "halfstep_config.backend must be HALFSTEP_BACKEND_CUDA or HALFSTEP_BACKEND_REFERENCE");
@@ -190,6 +191,8 @@ halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* o
     out->subnormal_count = r.subnormal_count;
     out->zero_count = r.zero_count;
     out->numel = r.numel;
+    out->reason = static_cast<int32_t>(r.reason);
+    out->held_elements = r.held_elements;
   });
 }
 

@@ -27,3 +27,14 @@ void require(bool ok, Parts&&... parts) {
 inline bool finite(double x) { return x - x == 0.0; }
 
 }  // namespace halfstep::detail
+
+namespace halfstep {
+struct AdamWConfig;
+}
+
+namespace halfstep::detail {
+
+/// Throws unless lr·weight_decay < 1 where decay is decoupled; `what` names the learning rate.
+void check_decay_rate(const AdamWConfig& h, float lr, const char* what);
+
+}  // namespace halfstep::detail

@@ -114,6 +114,8 @@ class CudaImpl final : public FusedAdamW::Impl {
     write_state(OptimizerState::initial(config_));
 
     HALFSTEP_CUDA_CHECK(cudaMallocHost(&pinned_.ptr, sizeof(StepReport) + sizeof(ScalerState)));
+    // attempt = 0 marks "no step has run": every step's report has attempt >= 1.
+    std::memset(pinned_.ptr, 0, sizeof(StepReport) + sizeof(ScalerState));
     h_report_ = static_cast<StepReport*>(pinned_.ptr);
     h_scaler_ = reinterpret_cast<ScalerState*>(static_cast<unsigned char*>(pinned_.ptr) +
                                                sizeof(StepReport));
@@ -148,12 +150,17 @@ class CudaImpl final : public FusedAdamW::Impl {
                   "step: a host-driven step waits for the device and cannot be captured in a "
                   "CUDA graph (use the default device-resident mode)");
     }
+    if (attempts_ >= kCounterLimit) {
+      throw Error(ErrorKind::usage, concat("step: this optimizer has attempted ", kCounterLimit,
+                                           " steps (kCounterLimit); its counters are full"));
+    }
+    ++attempts_;  // every step counts once, eager or captured and replayed (a bound, not a count)
 
     launch_check_and_norm(config_.grad_dtype, d_tensors_, d_chunks_, n_chunks_, d_partials_, stream);
     launch_finalize(finalize_, stream);
     if (!config_.host_driven) {
       launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
-                   d_decision_, d_consts_, stream);
+                   d_decision_, d_consts_, d_report_, stream);
       HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
                                           cudaMemcpyDeviceToHost, stream));
       record_done(stream, capturing);
@@ -168,7 +175,9 @@ class CudaImpl final : public FusedAdamW::Impl {
     record_done(stream, false);
     HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
     StepReport report = *h_report_;
-    if (report.outcome != Outcome::skipped_spike) {
+    // The scaler moves on applied and overflow steps only: a spike or a non-finite update says
+    // nothing about the loss scale.
+    if (report.outcome == Outcome::applied || report.outcome == Outcome::skipped_overflow) {
       scaler_.update(report.outcome == Outcome::skipped_overflow, report.headroom_log2);
     }
     *h_scaler_ = scaler_.state();  // the device's copy feeds the next backward pass
@@ -176,7 +185,10 @@ class CudaImpl final : public FusedAdamW::Impl {
                                         cudaMemcpyHostToDevice, stream));
     if (report.outcome == Outcome::applied) {
       launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
-                   d_decision_, d_consts_, stream);
+                   d_decision_, d_consts_, d_report_, stream);
+      // Pass 2's count of held elements, for last_report (which waits for it).
+      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
+                                          cudaMemcpyDeviceToHost, stream));
     }
     record_done(stream, false);
     report.scale_next = scaler_.scale();
@@ -184,16 +196,19 @@ class CudaImpl final : public FusedAdamW::Impl {
     has_step_ = true;
   }
 
+  // The report of the last step that ran (eager, or a replay of a captured step), after pass 2.
   StepReport last_report() override {
-    if (!has_step_) throw Error(ErrorKind::usage, "last_report: no step has run yet");
-    if (config_.host_driven) return host_report_;
-    HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
+    require_executed_step("last_report");
+    if (config_.host_driven) {
+      StepReport r = host_report_;
+      r.held_elements = r.outcome == Outcome::applied ? h_report_->held_elements : 0;
+      return r;
+    }
     return *h_report_;
   }
 
   std::vector<std::int64_t> nonfinite_counts() override {
-    if (!has_step_) throw Error(ErrorKind::usage, "nonfinite_counts: no step has run yet");
-    wait_last_step();
+    require_executed_step("nonfinite_counts");
     std::vector<ChunkPartial> partials(static_cast<std::size_t>(n_chunks_));
     if (n_chunks_ > 0) {
       HALFSTEP_CUDA_CHECK(cudaMemcpy(partials.data(), d_partials_,
@@ -225,13 +240,21 @@ class CudaImpl final : public FusedAdamW::Impl {
     return to_optimizer_state(d);
   }
 
-  void load_state(std::string_view bytes) override {
-    OptimizerState s = OptimizerState::initial(config_);
-    halfstep::load_state(s, bytes, config_);  // throws before anything changes
+  std::vector<float> learning_rates() override {
+    wait_last_step();
+    std::vector<float> lr(config_.groups.size());
+    HALFSTEP_CUDA_CHECK(cudaMemcpy(lr.data(), d_lr_, lr.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return lr;
+  }
+
+  void restore(const OptimizerState& s, const std::vector<float>& lr) override {
+    if (config_.host_driven) scaler_.set_state(s.scaler);  // validated already: cannot throw here
     wait_last_step();
     write_state(s);
+    upload(d_lr_, lr.data(), lr.size());
     settle_uploads();
-    if (config_.host_driven) scaler_.set_state(s.scaler);
+    for (std::size_t g = 0; g < lr.size(); ++g) config_.groups[g].lr = lr[g];
+    attempts_ = s.attempts;
   }
 
   const StepConfig& config() const override { return config_; }
@@ -248,7 +271,7 @@ class CudaImpl final : public FusedAdamW::Impl {
         return;
       case kApply:
         launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
-                     d_decision_, d_consts_, stream);
+                     d_decision_, d_consts_, d_report_, stream);
         return;
     }
     throw Error(ErrorKind::invalid_argument, concat("enqueue_pass: no pass ", pass));
@@ -282,6 +305,18 @@ class CudaImpl final : public FusedAdamW::Impl {
     if (has_step_) HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
   }
 
+  // Waits for the last step and throws unless one has run. A step captured in a CUDA graph runs
+  // only when the graph is launched; until then the report holds attempt 0.
+  void require_executed_step(const char* what) {
+    wait_last_step();
+    if (!has_step_ || h_report_->attempt == 0) {
+      throw Error(ErrorKind::usage,
+                  concat(what, ": no step has run yet", has_step_
+                                                            ? " (a step captured in a CUDA graph runs when the graph is launched)"
+                                                            : ""));
+    }
+  }
+
   StepConfig config_;
   int device_ = -1;
   std::size_t n_tensors_ = 0;
@@ -305,6 +340,8 @@ class CudaImpl final : public FusedAdamW::Impl {
   StepReport host_report_{};
   FinalizeArgs finalize_{};
   bool has_step_ = false;
+  std::int64_t attempts_ = 0;  // the state's attempts plus the eager steps enqueued since (a graph
+                               // replay is not counted here; the device saturates its counters)
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include "fused_impl.hpp"
 #include "halfstep/checkpoint.hpp"
 #include "halfstep/reference.hpp"
+#include "reference_impl.hpp"
 #include "tensor_table.hpp"
 
 namespace halfstep {
@@ -18,11 +19,14 @@ void check_group(const StepConfig& config, std::int32_t group) {
 void check_lr(const StepConfig& config, std::int32_t group, float lr) {
   check_group(config, group);
   require(finite(lr) && lr >= 0.0f, "lr must be finite and >= 0, got ", lr);
+  check_decay_rate(config.groups[static_cast<std::size_t>(group)], lr, "lr");
 }
 
 namespace {
 
-// Runs reference::step on host buffers: one training loop works with or without a GPU.
+// Runs the reference step on host buffers: one training loop works with or without a GPU. The
+// tensors and config are validated once, here; each step reads the learning rates as they are
+// (device_lr may have changed them) and skips a step whose learning rate is invalid.
 class ReferenceImpl final : public FusedAdamW::Impl {
  public:
   ReferenceImpl(const std::vector<ParamTensor>& tensors, const StepConfig& config)
@@ -30,15 +34,19 @@ class ReferenceImpl final : public FusedAdamW::Impl {
     validate(tensors_, config_);
   }
   void step(Stream) override {
-    report_ = reference::step(tensors_, config_, state_, &nonfinite_);
+    if (state_.attempts >= kCounterLimit) {
+      throw Error(ErrorKind::usage, concat("step: this optimizer has attempted ", kCounterLimit,
+                                           " steps (kCounterLimit); its counters are full"));
+    }
+    report_ = reference_step(tensors_, config_, state_, &nonfinite_);
     has_report_ = true;
   }
   StepReport last_report() override {
-    require_step();
+    require_step("last_report");
     return report_;
   }
   std::vector<std::int64_t> nonfinite_counts() override {
-    require_step();
+    require_step("nonfinite_counts");
     return nonfinite_;
   }
   void set_lr(std::int32_t group, float lr, Stream) override {
@@ -51,7 +59,15 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   }
   const float* device_loss_scale() const override { return &state_.scaler.scale; }
   OptimizerState state() override { return state_; }
-  void load_state(std::string_view bytes) override { halfstep::load_state(state_, bytes, config_); }
+  std::vector<float> learning_rates() override {
+    std::vector<float> lr;
+    for (const AdamWConfig& h : config_.groups) lr.push_back(h.lr);
+    return lr;
+  }
+  void restore(const OptimizerState& state, const std::vector<float>& lr) override {
+    state_ = state;
+    for (std::size_t g = 0; g < lr.size(); ++g) config_.groups[g].lr = lr[g];
+  }
   const StepConfig& config() const override { return config_; }
   std::int64_t chunk_count() const override { return 0; }
   int launches_per_step() const override { return 0; }
@@ -60,8 +76,8 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   }
 
  private:
-  void require_step() const {
-    if (!has_report_) throw Error(ErrorKind::usage, "last_report: no step has run yet");
+  void require_step(const char* what) const {
+    if (!has_report_) throw Error(ErrorKind::usage, concat(what, ": no step has run yet"));
   }
   std::vector<ParamTensor> tensors_;
   StepConfig config_;
@@ -80,15 +96,6 @@ std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTen
 
 }  // namespace detail
 
-std::size_t workspace_bytes(const std::vector<std::int64_t>& tensor_numels, std::size_t groups) {
-  std::int64_t chunks = 0;
-  for (std::size_t t = 0; t < tensor_numels.size(); ++t) {
-    detail::require(tensor_numels[t] >= 0, "tensor_numels[", t, "] must be >= 0, got ", tensor_numels[t]);
-    chunks += detail::chunks_of(tensor_numels[t]);
-  }
-  return detail::WorkspaceLayout::make(tensor_numels.size(), static_cast<std::size_t>(chunks), groups).bytes;
-}
-
 FusedAdamW::FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                        Backend backend) {
   detail::require(backend == Backend::cuda || backend == Backend::reference,
@@ -103,19 +110,49 @@ FusedAdamW::~FusedAdamW() = default;
 FusedAdamW::FusedAdamW(FusedAdamW&&) noexcept = default;
 FusedAdamW& FusedAdamW::operator=(FusedAdamW&&) noexcept = default;
 
-void FusedAdamW::step(Stream stream) { impl_->step(stream); }
-StepReport FusedAdamW::last_report() { return impl_->last_report(); }
-std::vector<std::int64_t> FusedAdamW::nonfinite_counts() { return impl_->nonfinite_counts(); }
-void FusedAdamW::set_lr(std::int32_t group, float lr, Stream stream) { impl_->set_lr(group, lr, stream); }
-float* FusedAdamW::device_lr(std::int32_t group) { return impl_->device_lr(group); }
-const float* FusedAdamW::device_loss_scale() const { return impl_->device_loss_scale(); }
-float FusedAdamW::loss_scale() { return impl_->state().scaler.scale; }
-OptimizerState FusedAdamW::state() { return impl_->state(); }
-std::string FusedAdamW::save_state() { return encode_state(impl_->state()); }
-void FusedAdamW::load_state(std::string_view bytes) { impl_->load_state(bytes); }
-const StepConfig& FusedAdamW::config() const { return impl_->config(); }
-Backend FusedAdamW::backend() const { return backend_; }
-std::int64_t FusedAdamW::chunk_count() const { return impl_->chunk_count(); }
-int FusedAdamW::launches_per_step() const { return impl_->launches_per_step(); }
+FusedAdamW::Impl& FusedAdamW::impl() const {
+  if (!impl_) {
+    throw Error(ErrorKind::usage, "FusedAdamW: this object was moved from; use the one it was moved to");
+  }
+  return *impl_;
+}
+
+void FusedAdamW::step(Stream stream) { impl().step(stream); }
+StepReport FusedAdamW::last_report() { return impl().last_report(); }
+std::vector<std::int64_t> FusedAdamW::nonfinite_counts() { return impl().nonfinite_counts(); }
+void FusedAdamW::set_lr(std::int32_t group, float lr, Stream stream) { impl().set_lr(group, lr, stream); }
+float* FusedAdamW::device_lr(std::int32_t group) { return impl().device_lr(group); }
+const float* FusedAdamW::device_loss_scale() const { return impl().device_loss_scale(); }
+float FusedAdamW::loss_scale() { return impl().state().scaler.scale; }
+OptimizerState FusedAdamW::state() { return impl().state(); }
+std::vector<float> FusedAdamW::learning_rates() { return impl().learning_rates(); }
+
+std::string FusedAdamW::save_state() {
+  Impl& i = impl();
+  StepConfig c = i.config();
+  const std::vector<float> lr = i.learning_rates();
+  for (std::size_t g = 0; g < lr.size(); ++g) c.groups[g].lr = lr[g];
+  try {
+    return encode_state(i.state(), c);
+  } catch (const Error& e) {  // e.g. a NaN written through device_lr
+    throw Error(ErrorKind::usage, std::string("save_state: the optimizer cannot be checkpointed: ") + e.what());
+  }
+}
+
+void FusedAdamW::load_state(std::string_view bytes) {
+  Impl& i = impl();
+  const SavedState saved = halfstep::load_state(bytes, i.config());  // throws before anything changes
+  std::vector<float> lr;
+  for (const AdamWConfig& h : saved.config.groups) lr.push_back(h.lr);
+  i.restore(saved.state, lr);
+}
+
+const StepConfig& FusedAdamW::config() const { return impl().config(); }
+Backend FusedAdamW::backend() const {
+  impl();
+  return backend_;
+}
+std::int64_t FusedAdamW::chunk_count() const { return impl().chunk_count(); }
+int FusedAdamW::launches_per_step() const { return impl().launches_per_step(); }
 
 }  // namespace halfstep

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "halfstep/fused_adamw.hpp"
 
@@ -16,7 +17,10 @@ struct FusedAdamW::Impl {
   virtual float* device_lr(std::int32_t group) = 0;
   virtual const float* device_loss_scale() const = 0;
   virtual OptimizerState state() = 0;
-  virtual void load_state(std::string_view bytes) = 0;
+  /// The learning rate of each group as the next step will read it (waits for the last step).
+  virtual std::vector<float> learning_rates() = 0;
+  /// Replaces the state and the learning rates (checked by halfstep::load_state before).
+  virtual void restore(const OptimizerState& state, const std::vector<float>& lr) = 0;
   virtual const StepConfig& config() const = 0;
   virtual std::int64_t chunk_count() const = 0;
   virtual int launches_per_step() const = 0;
@@ -39,7 +43,8 @@ std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTen
 std::unique_ptr<FusedAdamW::Impl> make_cuda_impl(const std::vector<ParamTensor>& tensors,
                                                  const StepConfig& config);
 
-/// Throws unless `group` names a group of `config` and `lr` is finite and >= 0.
+/// Throws unless `group` names a group of `config`, `lr` is finite and >= 0, and lr·weight_decay
+/// < 1 for decoupled decay.
 void check_lr(const StepConfig& config, std::int32_t group, float lr);
 /// Throws unless `group` names a group of `config`.
 void check_group(const StepConfig& config, std::int32_t group);

@@ -19,8 +19,9 @@ void ScalerConfig::validate() const {
           "ScalerConfig.backoff_factor must be in (0, 1), got ", backoff_factor);
   require(growth_interval >= 1, "ScalerConfig.growth_interval must be >= 1, got ", growth_interval);
   require(hysteresis >= 1, "ScalerConfig.hysteresis must be >= 1, got ", hysteresis);
-  require(finite(min_scale) && min_scale > 0.0f,
-          "ScalerConfig.min_scale must be finite and > 0, got ", min_scale);
+  require(finite(min_scale) && min_scale >= 0x1p-126f,
+          "ScalerConfig.min_scale must be a normal fp32 number >= 2^-126 (1.18e-38), so that 1/S is "
+          "a finite fp32 number, got ", min_scale);
   require(finite(max_scale) && max_scale >= min_scale,
           "ScalerConfig.max_scale must be finite and >= min_scale (", min_scale, "), got ",
           max_scale);
@@ -60,9 +61,13 @@ void validate_state(const ScalerState& s, const ScalerConfig& c) {
   require(s.hysteresis_left >= 1 && s.hysteresis_left <= c.hysteresis,
           "ScalerState.hysteresis_left must be in [1, hysteresis] = [1, ", c.hysteresis,
           "], got ", s.hysteresis_left);
-  require(s.overflows >= 0 && s.growths >= 0 && s.backoffs >= 0,
-          "ScalerState counters (overflows, growths, backoffs) must be >= 0, got ", s.overflows,
-          ", ", s.growths, ", ", s.backoffs);
+  auto counter = [](std::int64_t value, const char* name) {
+    require(value >= 0 && value <= kCounterLimit, "ScalerState.", name,
+            " must be in [0, kCounterLimit = 2^53], got ", value);
+  };
+  counter(s.overflows, "overflows");
+  counter(s.growths, "growths");
+  counter(s.backoffs, "backoffs");
 }
 
 DynamicLossScaler::DynamicLossScaler(const ScalerConfig& config) : config_(config) {

@@ -2,6 +2,7 @@
 #include "halfstep/step.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -12,13 +13,25 @@ namespace halfstep {
 using detail::finite;
 using detail::require;
 
+namespace detail {
+void check_decay_rate(const AdamWConfig& h, float lr, const char* what) {
+  if (!h.decoupled_weight_decay) return;
+  const double rate = static_cast<double>(lr) * static_cast<double>(h.weight_decay);
+  require(rate < 1.0, what, " * weight_decay must be < 1 with decoupled weight decay (the factor 1 - lr·wd "
+          "multiplies every weight each step), got ", lr, " * ", h.weight_decay, " = ", rate);
+}
+}  // namespace detail
+
 void AdamWConfig::validate() const {
   require(finite(lr) && lr >= 0.0f, "AdamWConfig.lr must be finite and >= 0, got ", lr);
   require(beta1 >= 0.0f && beta1 < 1.0f, "AdamWConfig.beta1 must be in [0, 1), got ", beta1);
   require(beta2 >= 0.0f && beta2 < 1.0f, "AdamWConfig.beta2 must be in [0, 1), got ", beta2);
-  require(finite(eps) && eps > 0.0f, "AdamWConfig.eps must be finite and > 0, got ", eps);
+  require(finite(eps) && eps >= 0x1p-126f,
+          "AdamWConfig.eps must be a normal fp32 number >= 2^-126 (1.18e-38) and finite, got ",
+          eps, " (a subnormal eps lets m / eps overflow where the update is small)");
   require(finite(weight_decay) && weight_decay >= 0.0f,
           "AdamWConfig.weight_decay must be finite and >= 0, got ", weight_decay);
+  detail::check_decay_rate(*this, lr, "AdamWConfig.lr");
 }
 
 void StepConfig::validate() const {
@@ -61,7 +74,10 @@ void check_buffer(std::vector<Span>& spans, std::size_t t, const char* field, co
   const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
   require(begin % elem_bytes == 0, "tensors[", t, "].", field, " must be aligned to ", elem_bytes,
           " bytes (its element size), got address ", ptr);
-  spans.push_back({begin, begin + static_cast<std::uintptr_t>(numel) * elem_bytes, t, field});
+  const auto bytes = static_cast<std::uintptr_t>(numel) * elem_bytes;  // numel < 2^61: no wrap
+  require(bytes <= UINTPTR_MAX - begin, "tensors[", t, "].", field, " at ", ptr, " with numel ",
+          numel, " would run past the end of the address space");
+  spans.push_back({begin, begin + bytes, t, field});
 }
 
 }  // namespace
@@ -78,7 +94,7 @@ void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config)
     require(p.group >= 0 && static_cast<std::size_t>(p.group) < config.groups.size(), "tensors[",
             t, "].group must name one of the ", config.groups.size(),
             " StepConfig.groups, got ", p.group);
-    // No buffer may reach past the end of the address space.
+    // Every buffer's end must be an address: numel * 4 bytes may not wrap past 2^64.
     require(static_cast<std::uint64_t>(p.numel) <= (UINT64_MAX >> 3), "tensors[", t,
             "].numel is too large, got ", p.numel);
     check_buffer(spans, t, "master", p.master, p.numel, sizeof(float), false);
@@ -105,6 +121,20 @@ const char* outcome_name(Outcome outcome) {
     case Outcome::applied: return "applied";
     case Outcome::skipped_overflow: return "skipped_overflow";
     case Outcome::skipped_spike: return "skipped_spike";
+    case Outcome::skipped_nonfinite_update: return "skipped_nonfinite_update";
+  }
+  return "unknown";
+}
+
+const char* skip_reason_name(SkipReason reason) {
+  switch (reason) {
+    case SkipReason::none: return "none";
+    case SkipReason::nonfinite_gradient: return "nonfinite_gradient";
+    case SkipReason::spike: return "spike";
+    case SkipReason::gradient_exceeds_fp32: return "gradient_exceeds_fp32";
+    case SkipReason::second_moment_exceeds_fp32: return "second_moment_exceeds_fp32";
+    case SkipReason::step_size_exceeds_fp32: return "step_size_exceeds_fp32";
+    case SkipReason::invalid_learning_rate: return "invalid_learning_rate";
   }
   return "unknown";
 }
@@ -124,13 +154,30 @@ bool operator==(const OptimizerState& a, const OptimizerState& b) {
 
 void validate_state(const OptimizerState& s, const StepConfig& config) {
   validate_state(s.scaler, config.scaler);
-  require(s.step >= 0 && s.attempts >= s.step, "OptimizerState.step must be in [0, attempts = ",
-          s.attempts, "], got ", s.step);
-  require(s.spike.seen >= 0 && s.spike.spikes >= 0 && s.spike.consecutive >= 0,
-          "SpikeState counters (seen, spikes, consecutive) must be >= 0");
-  require(finite(s.spike.mean) && finite(s.spike.var) && s.spike.var >= 0.0,
-          "SpikeState.mean and var must be finite and var >= 0, got ", s.spike.mean, ", ",
-          s.spike.var);
+  auto counter = [](std::int64_t value, const char* name, std::int64_t at_most, const char* bound) {
+    require(value >= 0 && value <= at_most, name, " must be in [0, ", bound, " = ", at_most, "], got ",
+            value);
+  };
+  counter(s.attempts, "OptimizerState.attempts", kCounterLimit, "kCounterLimit");
+  counter(s.step, "OptimizerState.step", s.attempts, "attempts");
+  counter(s.scaler.overflows, "ScalerState.overflows", s.attempts - s.step, "attempts - step");
+  counter(s.scaler.growths, "ScalerState.growths", s.step, "step");
+  counter(s.scaler.backoffs, "ScalerState.backoffs", s.scaler.overflows, "overflows");
+  counter(s.scaler.good_steps, "ScalerState.good_steps", s.step, "step");
+  counter(s.spike.seen, "SpikeState.seen", s.attempts, "attempts");
+  counter(s.spike.spikes, "SpikeState.spikes", s.attempts, "attempts");
+  counter(s.spike.consecutive, "SpikeState.consecutive",
+          std::min<std::int64_t>(s.spike.spikes, config.spike.max_consecutive),
+          "min(spikes, SpikeConfig.max_consecutive)");
+  // log‖g‖ of a finite positive double norm lies in [-745, 710]; its EMA too, and the EMA of its
+  // squared deviations stays below the square of that range.
+  require(finite(s.spike.mean) && s.spike.mean >= -746.0 && s.spike.mean <= 710.0,
+          "SpikeState.mean must be a log-norm in [-746, 710], got ", s.spike.mean);
+  require(finite(s.spike.var) && s.spike.var >= 0.0 && s.spike.var <= 1456.0 * 1456.0,
+          "SpikeState.var must be in [0, 1456^2], got ", s.spike.var);
+  if (!config.spike.enabled) {
+    require(s.spike == SpikeState{}, "SpikeState must be empty when SpikeConfig.enabled is false");
+  }
 }
 
 }  // namespace halfstep

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "check.hpp"
+#include "halfstep/fused_adamw.hpp"
 
 namespace halfstep::detail {
 namespace {
@@ -13,8 +14,21 @@ bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 
 }  // namespace
 
 TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
+  require(tensors.size() <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
+          "at most 2^31 - 1 tensors, got ", tensors.size());
+  // Count first, so a table too large for one launch is refused before anything is allocated.
+  std::uint64_t n_chunks = 0;
+  std::int64_t numel = 0;
+  for (const ParamTensor& p : tensors) {
+    n_chunks += static_cast<std::uint64_t>(chunks_of(p.numel));  // each < 2^49: no overflow
+    require(n_chunks <= kMaxChunks, "the tensors need more than ", kMaxChunks, " chunks of ",
+            kChunkElems, " elements (one launch's grid)");
+    numel += p.numel;  // < 2^31 chunks of 2^15 elements: no overflow
+  }
   TensorTable table;
+  table.numel = numel;
   table.tensors.reserve(tensors.size());
+  table.chunks.reserve(static_cast<std::size_t>(n_chunks));
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     const ParamTensor& p = tensors[t];
     TensorDesc d{};
@@ -31,18 +45,11 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
                     ? 1
                     : 0;
     table.tensors.push_back(d);
-    table.chunks.reserve(table.chunks.size() + static_cast<std::size_t>(chunks_of(p.numel)));
     for (std::int64_t begin = 0; begin < p.numel; begin += kChunkElems) {
       const std::int64_t len = std::min(kChunkElems, p.numel - begin);
       table.chunks.push_back(ChunkDesc{begin, static_cast<std::int32_t>(t), static_cast<std::int32_t>(len)});
     }
-    table.numel += p.numel;
   }
-  require(table.chunks.size() <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
-          "tensors hold ", table.numel, " elements in ", table.chunks.size(),
-          " chunks; one launch takes at most 2^31 - 1 chunks of ", kChunkElems, " elements");
-  require(tensors.size() <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
-          "at most 2^31 - 1 tensors, got ", tensors.size());
   return table;
 }
 
@@ -50,20 +57,24 @@ WorkspaceLayout WorkspaceLayout::make(std::size_t n_tensors, std::size_t n_chunk
                                       std::size_t n_groups) {
   WorkspaceLayout w{};
   std::size_t at = 0;
-  auto add = [&at](std::size_t bytes) {
+  // Appends `count` items of `size` bytes at the next 256-byte boundary, refusing to wrap.
+  auto add = [&at](std::size_t count, std::size_t size, const char* what) {
+    const std::size_t limit = std::numeric_limits<std::size_t>::max() - 255;
+    require(count <= limit / size && at <= limit - count * size, "the workspace for ", count, " ",
+            what, " does not fit a size_t");
     const std::size_t here = at;
-    at += (bytes + 255) / 256 * 256;
+    at += (count * size + 255) / 256 * 256;
     return here;
   };
-  w.tensors = add(n_tensors * sizeof(TensorDesc));
-  w.chunks = add(n_chunks * sizeof(ChunkDesc));
-  w.partials = add(n_chunks * sizeof(ChunkPartial));
-  w.state = add(sizeof(DeviceState));
-  w.report = add(sizeof(StepReport));
-  w.decision = add(sizeof(Decision));
-  w.params = add(n_groups * sizeof(GroupParams));
-  w.lr = add(n_groups * sizeof(float));
-  w.consts = add(n_groups * sizeof(GroupConsts));
+  w.tensors = add(n_tensors, sizeof(TensorDesc), "tensors");
+  w.chunks = add(n_chunks, sizeof(ChunkDesc), "chunks");
+  w.partials = add(n_chunks, sizeof(ChunkPartial), "chunks");
+  w.state = add(1, sizeof(DeviceState), "states");
+  w.report = add(1, sizeof(StepReport), "reports");
+  w.decision = add(1, sizeof(Decision), "decisions");
+  w.params = add(n_groups, sizeof(GroupParams), "groups");
+  w.lr = add(n_groups, sizeof(float), "groups");
+  w.consts = add(n_groups, sizeof(GroupConsts), "groups");
   w.bytes = at;
   return w;
 }
@@ -79,3 +90,18 @@ std::vector<std::int64_t> per_tensor_counts(const std::vector<ChunkDesc>& chunks
 }
 
 }  // namespace halfstep::detail
+
+namespace halfstep {
+
+std::size_t workspace_bytes(const std::vector<std::int64_t>& tensor_numels, std::size_t groups) {
+  std::uint64_t chunks = 0;
+  for (std::size_t t = 0; t < tensor_numels.size(); ++t) {
+    detail::require(tensor_numels[t] >= 0, "tensor_numels[", t, "] must be >= 0, got ", tensor_numels[t]);
+    chunks += static_cast<std::uint64_t>(detail::chunks_of(tensor_numels[t]));  // < 2^49 per tensor
+    detail::require(chunks <= detail::kMaxChunks, "tensor_numels need more than ", detail::kMaxChunks,
+                    " chunks of ", detail::kChunkElems, " elements (one launch's grid)");
+  }
+  return detail::WorkspaceLayout::make(tensor_numels.size(), static_cast<std::size_t>(chunks), groups).bytes;
+}
+
+}  // namespace halfstep

@@ -22,14 +22,20 @@ struct TensorTable {
 TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors);
 
 /// Where each piece of the step's device workspace sits in its one allocation (byte offsets,
-/// each 256-byte aligned), and the allocation's size.
+/// each 256-byte aligned), and the allocation's size. Throws halfstep::Error if the size does not
+/// fit a size_t.
 struct WorkspaceLayout {
   std::size_t tensors, chunks, partials, state, report, decision, params, lr, consts, bytes;
   static WorkspaceLayout make(std::size_t n_tensors, std::size_t n_chunks, std::size_t n_groups);
 };
 
-/// Number of chunks a tensor of `numel` elements splits into.
-inline std::int64_t chunks_of(std::int64_t numel) { return (numel + kChunkElems - 1) / kChunkElems; }
+/// Number of chunks a tensor of `numel` >= 0 elements splits into (no overflow at INT64_MAX).
+inline std::int64_t chunks_of(std::int64_t numel) {
+  return numel / kChunkElems + (numel % kChunkElems != 0 ? 1 : 0);
+}
+
+/// Chunks one launch's grid can hold (gridDim.x is at most 2^31 - 1).
+inline constexpr std::uint64_t kMaxChunks = 0x7FFFFFFF;
 
 /// Sums per-chunk counts into per-tensor counts.
 std::vector<std::int64_t> per_tensor_counts(const std::vector<ChunkDesc>& chunks,

@@ -280,21 +280,22 @@ std::int64_t load_checkpoint(const std::string& path, const train::Dims& dims, s
 
 // --- the trace ------------------------------------------------------------------------------
 void trace_header(std::FILE* f) {
-  std::fprintf(f, "attempt,step,outcome,spike,loss,lr,scale_used,scale_next,grad_norm,clip_coef,"
+  std::fprintf(f, "attempt,step,outcome,reason,spike,loss,lr,scale_used,scale_next,grad_norm,clip_coef,"
                   "nonfinite_count,first_nonfinite_tensor,max_abs_scaled,headroom_log2,"
-                  "subnormal_count,zero_count,numel\n");
+                  "subnormal_count,zero_count,numel,held_elements\n");
 }
 
 void trace_row(std::FILE* f, const StepReport& r, float loss, float lr) {
-  std::fprintf(f, "%lld,%lld,%s,%d,%.9g,%.9g,%.9g,%.9g,%.17g,%.9g,%lld,%d,%.9g,%.9g,%lld,%lld,%lld\n",
+  std::fprintf(f, "%lld,%lld,%s,%s,%d,%.9g,%.9g,%.9g,%.9g,%.17g,%.9g,%lld,%d,%.9g,%.9g,%lld,%lld,%lld,%lld\n",
                static_cast<long long>(r.attempt), static_cast<long long>(r.step),
-               halfstep::outcome_name(r.outcome), r.spike ? 1 : 0, static_cast<double>(loss),
+               halfstep::outcome_name(r.outcome), halfstep::skip_reason_name(r.reason),
+               r.spike ? 1 : 0, static_cast<double>(loss),
                static_cast<double>(lr), static_cast<double>(r.scale_used),
                static_cast<double>(r.scale_next), r.grad_norm, static_cast<double>(r.clip_coef),
                static_cast<long long>(r.nonfinite_count), r.first_nonfinite_tensor,
                static_cast<double>(r.max_abs_scaled), static_cast<double>(r.headroom_log2),
                static_cast<long long>(r.subnormal_count), static_cast<long long>(r.zero_count),
-               static_cast<long long>(r.numel));
+               static_cast<long long>(r.numel), static_cast<long long>(r.held_elements));
 }
 
 // How far from the teacher the lr-decay scenario starts: this fraction of a fresh initialisation.
@@ -417,7 +418,7 @@ int run(const Options& o) {
               seconds, static_cast<double>(steps - start) / seconds);
   std::printf("  loss %.5f over the first %lld steps, %.5f over the last %lld\n", mean_loss(start),
               static_cast<long long>(window), mean_loss(steps - window), static_cast<long long>(window));
-  std::printf("  applied %lld, skipped %lld (overflow %lld, spike %lld); spikes flagged %lld\n",
+  std::printf("  applied %lld, skipped %lld (overflow %lld, spike or non-finite update %lld); spikes flagged %lld\n",
               static_cast<long long>(s.step), static_cast<long long>(s.attempts - s.step),
               static_cast<long long>(s.scaler.overflows),
               static_cast<long long>(s.attempts - s.step - s.scaler.overflows),

@@ -1,5 +1,8 @@
-// halfstep: a versioned, checksummed binary encoding of OptimizerState, shared by both backends,
-// so a run can move between Backend::cuda and Backend::reference.
+// halfstep: the checkpoint of the optimizer's own state — scaler, spike detector, step counters,
+// the learning rates — and of the configuration it came from, so that a run can stop, move between
+// Backend::cuda and Backend::reference, and resume exactly, and a checkpoint from another
+// configuration is refused instead of silently misread. (The masters and moments live in the
+// caller's buffers.)
 #pragma once
 
 #include <cstdint>
@@ -11,17 +14,33 @@
 namespace halfstep {
 
 /// Format version written by encode_state.
-inline constexpr std::uint32_t kStateFormatVersion = 1;
+inline constexpr std::uint32_t kStateFormatVersion = 2;
 
-/// Encodes `state` (floating-point fields bit-exact, little-endian, CRC-32 protected).
-std::string encode_state(const OptimizerState& state);
+/// What a checkpoint holds.
+struct SavedState {
+  OptimizerState state;  ///< scaler, spike statistics, counters
+  /// The configuration at save time. Each group's lr is the learning rate in force then (after
+  /// set_lr or device_lr), which load_state restores. These fields must match when loading:
+  /// the number of groups, grad_dtype, model_dtype, every ScalerConfig rule but init_scale,
+  /// every SpikeConfig field, and each group's beta1, beta2, decoupled_weight_decay and
+  /// bias_correction (the state was built with them). These may change on purpose: lr (the
+  /// checkpoint's is restored; set it again after loading to change it), eps, weight_decay,
+  /// max_grad_norm, init_scale and host_driven.
+  StepConfig config;
+};
 
-/// Decodes what encode_state wrote. Truncated or extended input, a wrong magic, an unknown
-/// version or a checksum mismatch throw halfstep::Error (ErrorKind::corrupt_state).
-OptimizerState decode_state(std::string_view bytes);
+/// Encodes `state` and `config` (floating-point fields bit-exact, little-endian, CRC-32 protected).
+/// Throws halfstep::Error (invalid_argument) if the config is invalid or the state could not have
+/// come from it: a checkpoint that could not be loaded is never written.
+std::string encode_state(const OptimizerState& state, const StepConfig& config);
 
-/// Decodes `bytes` and checks the state against `config` (validate_state); only when both
-/// succeed is `target` replaced. Otherwise throws halfstep::Error and `target` is unchanged.
-void load_state(OptimizerState& target, std::string_view bytes, const StepConfig& config);
+/// Decodes what encode_state wrote and checks it on its own: truncated or extended input, a wrong
+/// magic, an unknown version, a checksum mismatch, an invalid recorded configuration or a state
+/// that could not have come from it throw halfstep::Error (ErrorKind::corrupt_state).
+SavedState decode_state(std::string_view bytes);
+
+/// decode_state, then checks that the checkpoint fits `config` (see SavedState): a mismatch
+/// throws halfstep::Error (corrupt_state) naming the field. Returns what to restore.
+SavedState load_state(std::string_view bytes, const StepConfig& config);
 
 }  // namespace halfstep

@@ -82,11 +82,17 @@ class FusedAdamW {
   /// The optimizer state (scaler, spike detector, step counters); waits for the last step.
   OptimizerState state();
 
-  /// The versioned checkpoint of the optimizer state (encode_state); waits for the last step.
+  /// The learning rate of each group as the next step reads it (set_lr, device_lr or a restored
+  /// checkpoint); waits for the last step.
+  std::vector<float> learning_rates();
+
+  /// The versioned checkpoint of the optimizer state, the learning rates and the configuration
+  /// they belong to (encode_state); waits for the last step.
   std::string save_state();
 
-  /// Restores a checkpoint from save_state of either backend. Corrupt input, or a state that does
-  /// not fit this config, throws halfstep::Error and leaves the state unchanged.
+  /// Restores a checkpoint from save_state of either backend: the state and each group's learning
+  /// rate. Corrupt input, or a checkpoint from a configuration this one cannot continue (see
+  /// SavedState), throws halfstep::Error naming the field and leaves everything unchanged.
   void load_state(std::string_view bytes);
 
   /// The configuration this step was built with (learning rates as set by set_lr on the host).
@@ -105,6 +111,7 @@ class FusedAdamW {
 
  private:
   friend struct detail::FusedAccess;
+  Impl& impl() const;  // throws on a moved-from object
   std::unique_ptr<Impl> impl_;
   Backend backend_ = Backend::cuda;
 };

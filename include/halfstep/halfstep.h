@@ -26,7 +26,22 @@ enum { HALFSTEP_F16 = 0, HALFSTEP_BF16 = 1, HALFSTEP_F32 = 2 };
 /** Backends (halfstep::Backend). */
 enum { HALFSTEP_BACKEND_CUDA = 0, HALFSTEP_BACKEND_REFERENCE = 1 };
 /** Step outcomes (halfstep::Outcome). */
-enum { HALFSTEP_APPLIED = 0, HALFSTEP_SKIPPED_OVERFLOW = 1, HALFSTEP_SKIPPED_SPIKE = 2 };
+enum {
+  HALFSTEP_APPLIED = 0,
+  HALFSTEP_SKIPPED_OVERFLOW = 1,
+  HALFSTEP_SKIPPED_SPIKE = 2,
+  HALFSTEP_SKIPPED_NONFINITE_UPDATE = 3 /**< finite gradients, an update that would not be */
+};
+/** Why a step was not applied (halfstep::SkipReason). */
+enum {
+  HALFSTEP_REASON_NONE = 0,
+  HALFSTEP_REASON_NONFINITE_GRADIENT = 1,
+  HALFSTEP_REASON_SPIKE = 2,
+  HALFSTEP_REASON_GRADIENT_EXCEEDS_FP32 = 3,
+  HALFSTEP_REASON_SECOND_MOMENT_EXCEEDS_FP32 = 4,
+  HALFSTEP_REASON_STEP_SIZE_EXCEEDS_FP32 = 5,
+  HALFSTEP_REASON_INVALID_LEARNING_RATE = 6
+};
 
 /** One parameter tensor (halfstep::ParamTensor). */
 typedef struct halfstep_tensor {
@@ -67,6 +82,8 @@ typedef struct halfstep_report {
   int32_t first_nonfinite_tensor;
   float max_abs_scaled, headroom_log2;
   int64_t subnormal_count, zero_count, numel;
+  int32_t reason;        /**< HALFSTEP_REASON_* */
+  int64_t held_elements; /**< elements kept because their update would not have been finite */
 } halfstep_report;
 
 typedef struct halfstep_optimizer halfstep_optimizer;

@@ -11,6 +11,16 @@
 
 namespace halfstep {
 
+/// Counters of a run (steps, attempts, overflows, ...) never exceed this: 2^53, more steps than a
+/// run at a million steps a second makes in 280 years. A checkpoint with a larger counter is
+/// refused, a step that would pass it throws, and counting saturates here rather than wrap.
+inline constexpr std::int64_t kCounterLimit = std::int64_t{1} << 53;
+
+/// `count` + 1, saturating at kCounterLimit.
+HALFSTEP_HD inline std::int64_t count_up(std::int64_t count) {
+  return count < kCounterLimit ? count + 1 : kCounterLimit;
+}
+
 /// Rules of the dynamic loss scale. Defaults follow common practice for fp16 training.
 struct ScalerConfig {
   float init_scale = 65536.0f;         ///< scale of the first step; within [min_scale, max_scale]
@@ -65,12 +75,12 @@ HALFSTEP_HD inline ScalerState next_state(const ScalerState& s, const ScalerConf
                                           bool overflow, float headroom_log2) {
   ScalerState n = s;
   if (overflow) {
-    n.overflows = s.overflows + 1;
+    n.overflows = count_up(s.overflows);
     n.good_steps = 0;
     n.hysteresis_left = s.hysteresis_left - 1;
     if (n.hysteresis_left <= 0) {  // this overflow used up the tolerance: back off, refill
       const float backed = clamp_scale(s.scale * c.backoff_factor, c.min_scale, c.max_scale);
-      if (backed != s.scale) n.backoffs = s.backoffs + 1;
+      if (backed != s.scale) n.backoffs = count_up(s.backoffs);
       n.scale = backed;
       n.hysteresis_left = c.hysteresis;
     }
@@ -84,7 +94,7 @@ HALFSTEP_HD inline ScalerState next_state(const ScalerState& s, const ScalerConf
                     headroom_log2 >= ::log2f(c.growth_factor) + c.headroom_margin_log2;
   if (n.good_steps >= c.growth_interval || room) {  // a full window of clean steps, or room: grow
     const float grown = clamp_scale(s.scale * c.growth_factor, c.min_scale, c.max_scale);
-    if (grown != s.scale) n.growths = s.growths + 1;
+    if (grown != s.scale) n.growths = count_up(s.growths);
     n.scale = grown;
     n.good_steps = 0;
     n.hysteresis_left = c.hysteresis;

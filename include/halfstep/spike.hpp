@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "halfstep/config.hpp"
+#include "halfstep/scaler.hpp"
 
 namespace halfstep {
 
@@ -64,8 +65,8 @@ HALFSTEP_HD inline SpikeVerdict observe_norm(const SpikeState& s, const SpikeCon
     double sd = ::sqrt(s.var);
     if (sd < c.min_std) sd = c.min_std;
     if (deviation > static_cast<double>(c.z_threshold) * sd) {
-      r.next.spikes = s.spikes + 1;
-      r.next.consecutive = s.consecutive + 1;
+      r.next.spikes = count_up(s.spikes);
+      r.next.consecutive = count_up(s.consecutive);
       if (r.next.consecutive <= c.max_consecutive) {  // a spike: statistics stay as they were
         r.spike = true;
         return r;
@@ -83,7 +84,7 @@ HALFSTEP_HD inline SpikeVerdict observe_norm(const SpikeState& s, const SpikeCon
   const double a = 1.0 - static_cast<double>(c.ema_beta);
   r.next.mean = s.mean + a * deviation;
   r.next.var = static_cast<double>(c.ema_beta) * (s.var + a * deviation * deviation);
-  r.next.seen = s.seen + 1;
+  r.next.seen = count_up(s.seen);
   r.next.consecutive = 0;
   return r;
 }

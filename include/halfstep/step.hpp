@@ -10,12 +10,13 @@
 
 namespace halfstep {
 
-/// Hyperparameters of one parameter group (PyTorch's AdamW/Adam formula, see DESIGN.md).
+/// Hyperparameters of one parameter group (PyTorch's AdamW/Adam formula, see docs/design.md).
 struct AdamWConfig {
-  float lr = 1e-3f;                    ///< learning rate; finite and >= 0
+  float lr = 1e-3f;                    ///< learning rate; finite and >= 0; lr·weight_decay < 1
+                                       ///< with decoupled decay
   float beta1 = 0.9f;                  ///< first-moment decay; in [0, 1)
   float beta2 = 0.999f;                ///< second-moment decay; in [0, 1)
-  float eps = 1e-8f;                   ///< denominator guard; finite and > 0
+  float eps = 1e-8f;                   ///< denominator guard; a normal fp32 number (>= 2^-126)
   float weight_decay = 0.0f;           ///< finite and >= 0
   bool decoupled_weight_decay = true;  ///< AdamW (p *= 1 - lr*wd); false: Adam + L2 (g += wd*p)
   bool bias_correction = true;         ///< divide the moments by 1 - beta^t
@@ -55,16 +56,39 @@ struct StepConfig {
 void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config);
 
 /// What a step did.
-enum class Outcome : std::uint8_t { applied, skipped_overflow, skipped_spike };
+enum class Outcome : std::uint8_t {
+  applied,                  ///< masters, moments and model copies were updated
+  skipped_overflow,         ///< a gradient was inf or NaN; the scaler backed off
+  skipped_spike,            ///< the norm was a spike and SpikeConfig::action is skip
+  skipped_nonfinite_update, ///< the gradients were finite but the update would not be (reason says why)
+};
 
-/// "applied", "skipped_overflow" or "skipped_spike".
+/// "applied", "skipped_overflow", "skipped_spike" or "skipped_nonfinite_update".
 const char* outcome_name(Outcome outcome);
+
+/// Why a step was not applied. A step is skipped for a non-finite update when finalize can tell
+/// from what pass 1 measured that some update would not be an fp32 number; nothing is written,
+/// the scale, the spike statistics and the applied-step counter stay as they were.
+enum class SkipReason : std::uint8_t {
+  none,                        ///< the step was applied
+  nonfinite_gradient,          ///< an inf or NaN gradient (Outcome::skipped_overflow)
+  spike,                       ///< a gradient spike (Outcome::skipped_spike)
+  gradient_exceeds_fp32,       ///< max|g|·clip/S, the largest unscaled gradient, is past fp32's range
+  second_moment_exceeds_fp32,  ///< (1 - beta2)·max|g|², the second-moment increment, is past it
+  step_size_exceeds_fp32,      ///< lr / (1 - beta1^t) is past it
+  invalid_learning_rate,       ///< a group's learning rate, read at this step, is negative, not
+                               ///< finite, or makes lr·weight_decay >= 1 with decoupled decay
+};
+
+/// The reason's name: "none", "nonfinite_gradient", "spike", "gradient_exceeds_fp32", ...
+const char* skip_reason_name(SkipReason reason);
 
 /// Everything a step measured and decided.
 struct StepReport {
   std::int64_t attempt;                ///< calls so far, this one included
   std::int64_t step;                   ///< applied steps so far, this one included (the Adam t)
   Outcome outcome;                     ///< what the step did
+  SkipReason reason;                   ///< why it was not applied (none when it was)
   bool spike;                          ///< the norm was flagged as a spike (logged or skipped)
   float scale_used;                    ///< loss scale the gradients were computed with
   float scale_next;                    ///< loss scale for the next step
@@ -77,6 +101,11 @@ struct StepReport {
   std::int64_t subnormal_count;        ///< gradient elements stored as subnormals
   std::int64_t zero_count;             ///< gradient elements stored as ±0
   std::int64_t numel;                  ///< gradient elements in the step
+  /// Elements of an applied step whose update would have written a value that is not finite —
+  /// a master, moment or model copy past its format's range, which pass 1 cannot see (a master
+  /// near 3.4e38, a model copy past 65504 in fp16, weight decay on a huge weight). Each keeps
+  /// its previous values; 0 in a healthy run. Waits for pass 2 (last_report does).
+  std::int64_t held_elements;
 };
 
 /// The optimizer's own state (the parameters and moments live in the user's buffers).
@@ -95,7 +124,10 @@ struct OptimizerState {
 bool operator==(const OptimizerState& a, const OptimizerState& b);
 inline bool operator!=(const OptimizerState& a, const OptimizerState& b) { return !(a == b); }
 
-/// Throws halfstep::Error if `state` could not have come from a run with `config`.
+/// Throws halfstep::Error if `state` could not have come from a run with `config`: every counter
+/// in [0, kCounterLimit], overflows, growths, spikes and applied steps at most the attempts,
+/// backoffs at most the overflows, the scaler's counters within its config, the spike statistics
+/// those of a finite log-norm.
 void validate_state(const OptimizerState& state, const StepConfig& config);
 
 }  // namespace halfstep

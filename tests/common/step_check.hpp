@@ -47,6 +47,8 @@ inline void check_step(const halfstep::StepReport& got, const halfstep::StepRepo
                        std::int64_t applied_step) {
   using namespace halfstep;
   REQUIRE(got.outcome == want.outcome);
+  REQUIRE(got.reason == want.reason);
+  REQUIRE(got.held_elements == want.held_elements);
   REQUIRE(got.attempt == want.attempt);
   REQUIRE(got.step == want.step);
   REQUIRE(got.spike == want.spike);

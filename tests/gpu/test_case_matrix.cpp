@@ -241,8 +241,16 @@ HostModel mirror_pass2(const HostModel& before, const StepReport& r, const StepC
     const detail::GroupConsts k = detail::group_consts(detail::group_params(h), h.lr, r.step);
     for (std::size_t i = 0; i < t.master.size(); ++i) {
       const float g = detail::unscale(static_cast<float>(from_bits16(c.grad_dtype, t.grad[i])), d);
-      detail::adamw_update(t.master[i], t.exp_avg[i], t.exp_avg_sq[i], g, k);
-      if (t.with_model) t.model[i] = to_bits16(c.model_dtype, t.master[i]);
+      float p = t.master[i], m = t.exp_avg[i], v = t.exp_avg_sq[i];
+      detail::adamw_update(p, m, v, g, k);
+      const std::uint16_t model = to_bits16(c.model_dtype, p);
+      const BitClass mc = classify_bits16(c.model_dtype, model);
+      const bool model_ok = !t.with_model || (mc != BitClass::infinite && mc != BitClass::nan);
+      if (!(detail::finite32(p) && detail::finite32(m) && detail::finite32(v) && model_ok)) continue;  // held
+      t.master[i] = p;
+      t.exp_avg[i] = m;
+      t.exp_avg_sq[i] = v;
+      if (t.with_model) t.model[i] = model;
     }
   }
   return out;

@@ -2,6 +2,7 @@
 // status codes with messages, checkpoints through caller-owned buffers.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -114,6 +115,9 @@ TEST_CASE("c api reports errors as codes with a message", "[c_api]") {
   CHECK_THAT(halfstep_last_error(), Catch::Contains("ScalerConfig.backoff_factor"));
   CHECK(halfstep_create(ts.data(), 3, &g, 0, &c, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
   c = reference_config();
+  // A tensor count no array could hold is an invalid argument, not an allocation failure.
+  CHECK(halfstep_create(ts.data(), std::int64_t{1} << 62, &g, 1, &c, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(halfstep_last_error(), Catch::Contains("n_tensors must be in [0, 2^31 - 1]"));
   REQUIRE(halfstep_create(ts.data(), 3, &g, 1, &c, &opt) == HALFSTEP_OK);
   halfstep_report r;
   CHECK(halfstep_last_report(opt, &r) == HALFSTEP_ERROR_USAGE);
@@ -154,6 +158,27 @@ TEST_CASE("c api checkpoints through caller buffers and refuses corrupt ones", "
   REQUIRE(halfstep_nonfinite_counts(opt, counts.data(), 3) == HALFSTEP_OK);
   CHECK(counts == std::vector<int64_t>{0, 0, 0});
   CHECK(halfstep_nonfinite_counts(opt, counts.data(), 2) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  halfstep_destroy(opt);
+}
+
+TEST_CASE("c api reports a step skipped for a non-finite update and its reason", "[c_api]") {
+  HostModel m = model(63);
+  for (auto& t : m.tensors) std::fill(t.grad.begin(), t.grad.end(), std::uint16_t{0x7F7F});  // bf16 max
+  auto ts = c_tensors(m);
+  halfstep_group g;
+  halfstep_group_init(&g);
+  halfstep_config c = reference_config();
+  c.grad_dtype = HALFSTEP_BF16;
+  c.max_grad_norm = 0.0f;
+  halfstep_optimizer* opt = nullptr;
+  REQUIRE(halfstep_create(ts.data(), 3, &g, 1, &c, &opt) == HALFSTEP_OK);
+  REQUIRE(halfstep_step(opt, nullptr) == HALFSTEP_OK);
+  halfstep_report r;
+  REQUIRE(halfstep_last_report(opt, &r) == HALFSTEP_OK);
+  CHECK(r.outcome == HALFSTEP_SKIPPED_NONFINITE_UPDATE);
+  CHECK(r.reason == HALFSTEP_REASON_SECOND_MOMENT_EXCEEDS_FP32);
+  CHECK(r.held_elements == 0);
+  CHECK(r.step == 0);
   halfstep_destroy(opt);
 }
 

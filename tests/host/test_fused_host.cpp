@@ -3,7 +3,9 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <functional>
+#include <limits>
 #include <random>
 
 #include "halfstep/checkpoint.hpp"
@@ -113,7 +115,7 @@ TEST_CASE("save_state and load_state round-trip and refuse corrupt input", "[fus
   CHECK(opt.state() == before_bad);
   opt.load_state(saved);
   CHECK(opt.state() == at_save);
-  CHECK(decode_state(opt.save_state()) == at_save);
+  CHECK(decode_state(opt.save_state()).state == at_save);
 }
 
 TEST_CASE("load_state refuses a state that does not fit the config", "[fused][checkpoint]") {
@@ -122,9 +124,62 @@ TEST_CASE("load_state refuses a state that does not fit the config", "[fused][ch
   c.scaler.max_scale = 1024.0f;
   c.scaler.init_scale = 1024.0f;
   FusedAdamW opt(m.views(), c, Backend::reference);
-  OptimizerState big = OptimizerState::initial(StepConfig{});  // scale 65536 > 1024
-  CHECK_THROWS_WITH(opt.load_state(encode_state(big)), Catch::Contains("ScalerState.scale"));
+  const StepConfig other;  // max_scale 2^24
+  CHECK_THROWS_WITH(opt.load_state(encode_state(OptimizerState::initial(other), other)),
+                    Catch::Contains("ScalerConfig.max_scale"));
   CHECK(opt.loss_scale() == 1024.0f);
+}
+
+TEST_CASE("a save/load round trip restores the learning rates set by set_lr and device_lr", "[fused][checkpoint]") {
+  HostModel m = model(50);
+  StepConfig c;
+  c.groups.resize(2);
+  m.tensors[1].group = 1;
+  FusedAdamW opt(m.views(), c, Backend::reference);
+  opt.set_lr(0, 2.5e-4f);
+  *opt.device_lr(1) = 7e-3f;
+  opt.step();
+  const std::string saved = opt.save_state();
+  FusedAdamW fresh(m.views(), c, Backend::reference);
+  CHECK(fresh.learning_rates() == std::vector<float>{1e-3f, 1e-3f});
+  fresh.load_state(saved);
+  CHECK(fresh.learning_rates() == std::vector<float>{2.5e-4f, 7e-3f});
+  CHECK(fresh.config().groups[1].lr == 7e-3f);
+  CHECK(fresh.state() == opt.state());
+  // A NaN written through device_lr cannot be checkpointed.
+  *opt.device_lr(0) = NAN;
+  CHECK(kind_of([&] { opt.save_state(); }) == ErrorKind::usage);
+}
+
+TEST_CASE("an invalid learning rate written through device_lr skips the step with a reason", "[fused]") {
+  for (float bad : {NAN, -1e-3f, INFINITY, 20.0f}) {  // 20 · wd 0.1 >= 1
+    HostModel m = model(51), before = m;
+    StepConfig c;
+    c.groups[0].weight_decay = 0.1f;
+    FusedAdamW opt(m.views(), c, Backend::reference);
+    *opt.device_lr(0) = bad;
+    opt.step();
+    const StepReport r = opt.last_report();
+    CAPTURE(bad);
+    CHECK(r.outcome == Outcome::skipped_nonfinite_update);
+    CHECK(r.reason == SkipReason::invalid_learning_rate);
+    CHECK(r.step == 0);
+    CHECK(r.scale_next == r.scale_used);
+    for (std::size_t t = 0; t < m.tensors.size(); ++t) CHECK(m.tensors[t] == before.tensors[t]);
+    *opt.device_lr(0) = 1e-3f;  // repaired: the next step applies
+    opt.step();
+    CHECK(opt.last_report().outcome == Outcome::applied);
+  }
+}
+
+TEST_CASE("set_lr refuses a rate whose decoupled decay would flip the weights", "[fused][validate]") {
+  HostModel m = model(52);
+  StepConfig c;
+  c.groups[0].weight_decay = 0.5f;
+  FusedAdamW opt(m.views(), c, Backend::reference);
+  CHECK_THROWS_WITH(opt.set_lr(0, 2.0f), Catch::Contains("lr * weight_decay must be < 1"));
+  CHECK(opt.config().groups[0].lr == 1e-3f);
+  opt.set_lr(0, 1.9f);
 }
 
 TEST_CASE("setup rejects bad input before touching CUDA", "[fused][validate]") {
@@ -170,7 +225,7 @@ TEST_CASE("the CUDA backend refuses host buffers", "[fused][validate]") {
   }
 }
 
-TEST_CASE("a moved-from FusedAdamW hands its state to the new owner", "[fused]") {
+TEST_CASE("a moved-from FusedAdamW hands its state to the new owner and refuses every call", "[fused]") {
   HostModel m = model(49);
   FusedAdamW a(m.views(), StepConfig{}, Backend::reference);
   a.step();
@@ -178,6 +233,40 @@ TEST_CASE("a moved-from FusedAdamW hands its state to the new owner", "[fused]")
   CHECK(b.last_report().attempt == 1);
   b.step();
   CHECK(b.state().attempts == 2);
+  // The moved-from object: every call is a usage error, never a crash.
+  const std::vector<std::function<void()>> calls = {
+      [&] { a.step(); }, [&] { a.last_report(); }, [&] { a.nonfinite_counts(); },
+      [&] { a.set_lr(0, 1e-3f); }, [&] { a.device_lr(0); }, [&] { a.device_loss_scale(); },
+      [&] { a.loss_scale(); }, [&] { a.state(); }, [&] { a.save_state(); },
+      [&] { a.load_state(b.save_state()); }, [&] { a.config(); }, [&] { a.backend(); },
+      [&] { a.chunk_count(); }, [&] { a.launches_per_step(); }, [&] { a.learning_rates(); }};
+  for (const auto& call : calls) {
+    CHECK(kind_of(call) == ErrorKind::usage);
+  }
+  CHECK_THROWS_WITH(a.step(), Catch::Contains("moved from"));
+}
+
+TEST_CASE("each call before the first step names itself", "[fused]") {
+  HostModel m = model(53);
+  FusedAdamW opt(m.views(), StepConfig{}, Backend::reference);
+  CHECK_THROWS_WITH(opt.nonfinite_counts(), Catch::StartsWith("nonfinite_counts: no step has run yet"));
+  CHECK_THROWS_WITH(opt.last_report(), Catch::StartsWith("last_report: no step has run yet"));
+}
+
+TEST_CASE("a step past kCounterLimit attempts is refused", "[fused]") {
+  HostModel m = model(54);
+  StepConfig c;
+  FusedAdamW opt(m.views(), c, Backend::reference);
+  OptimizerState full = OptimizerState::initial(c);
+  full.attempts = kCounterLimit;
+  full.step = 10;
+  opt.load_state(encode_state(full, c));
+  CHECK(kind_of([&] { opt.step(); }) == ErrorKind::usage);
+  CHECK(opt.state() == full);
+  full.attempts = kCounterLimit - 1;
+  opt.load_state(encode_state(full, c));
+  opt.step();
+  CHECK(opt.state().attempts == kCounterLimit);
 }
 
 TEST_CASE("workspace_bytes counts the table the partials and the state", "[fused]") {
@@ -191,4 +280,17 @@ TEST_CASE("workspace_bytes counts the table the partials and the state", "[fused
   CHECK(big < 30518u * 40u + 8192u);
   CHECK(workspace_bytes({0, 0}, 1) < workspace_bytes({1, 1}, 1));
   CHECK_THROWS_WITH(workspace_bytes({5, -1}, 1), Catch::Contains("tensor_numels[1] must be >= 0"));
+}
+
+TEST_CASE("workspace_bytes refuses sizes that would wrap instead of returning fewer bytes", "[fused][validate]") {
+  const std::size_t one_group = workspace_bytes({1}, 1);
+  CHECK(workspace_bytes({1}, 1000) > one_group);
+  for (std::size_t groups : {std::size_t{1} << 60, SIZE_MAX, SIZE_MAX / 4}) {
+    CAPTURE(groups);
+    CHECK(kind_of([&] { workspace_bytes({1}, groups); }) == ErrorKind::invalid_argument);
+  }
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max();
+  CHECK_THROWS_WITH(workspace_bytes({huge}, 1), Catch::Contains("chunks of 32768 elements"));
+  CHECK_THROWS_WITH(workspace_bytes(std::vector<std::int64_t>(3, std::int64_t{1} << 46), 1),
+                    Catch::Contains("chunks"));
 }

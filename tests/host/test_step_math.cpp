@@ -9,6 +9,7 @@
 #include <random>
 
 #include "adam_bound.hpp"
+#include "halfstep/error.hpp"
 #include "halfstep/reference.hpp"
 #include "host_buffers.hpp"
 #include "step_math.hpp"
@@ -46,6 +47,20 @@ Totals host_totals(const std::vector<ParamTensor>& tensors, DType dtype) {
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
+// decide() with the groups and learning rates of `c`, as finalize passes them.
+void decide_for(const Totals& totals, DeviceState& state, const StepConfig& c, std::int64_t numel,
+                StepReport& report, Decision& decision, bool device_scaler = true) {
+  std::vector<GroupParams> groups;
+  std::vector<float> lr;
+  for (const AdamWConfig& h : c.groups) {
+    groups.push_back(group_params(h));
+    lr.push_back(h.lr);
+  }
+  DecideParams p = decide_params(c, numel);
+  p.device_scaler = device_scaler;
+  decide(totals, state, p, groups.data(), lr.data(), static_cast<std::int32_t>(groups.size()), report, decision);
+}
+
 }  // namespace
 
 TEST_CASE("decide reproduces the reference report and state exactly", "[step_math]") {
@@ -76,7 +91,7 @@ TEST_CASE("decide reproduces the reference report and state exactly", "[step_mat
     const Totals totals = host_totals(views, DType::f16);
     StepReport mine{};
     Decision decision{};
-    decide(totals, dev, decide_params(c, 238), mine, decision);
+    decide_for(totals, dev, c, 238, mine, decision);
     HostModel copy = m;
     const StepReport r = reference::step(copy.views(), c, ref);
     CAPTURE(step);
@@ -120,14 +135,12 @@ TEST_CASE("decide in host-driven mode leaves the scaler to the host", "[step_mat
   StepConfig c;
   OptimizerState s = OptimizerState::initial(c);
   DeviceState dev = to_device_state(s);
-  DecideParams p = decide_params(c, 10);
-  p.device_scaler = false;
   Totals overflow;
   overflow.nonfinite = 3;
   overflow.first_nonfinite_tensor = 1;
   StepReport r{};
   Decision d{};
-  decide(overflow, dev, p, r, d);
+  decide_for(overflow, dev, c, 10, r, d, /*device_scaler=*/false);
   CHECK(r.outcome == Outcome::skipped_overflow);
   CHECK(dev.scaler == s.scaler);
   CHECK(r.scale_next == r.scale_used);
@@ -173,7 +186,7 @@ TEST_CASE("the fp32 element update stays within the derived bound of the referen
                             : 1.0;
     StepReport mine{};
     Decision d{};
-    decide(host_totals(before.views(), DType::f16), dev, decide_params(c, 2048), mine, d);
+    decide_for(host_totals(before.views(), DType::f16), dev, c, 2048, mine, d);
     const GroupConsts k = group_consts(group_params(h), h.lr, dev.step);
     for (std::size_t i = 0; i < t.grad.size(); ++i) {
       float p = before.tensors[0].master[i], mm = before.tensors[0].exp_avg[i], vv = before.tensors[0].exp_avg_sq[i];
@@ -222,7 +235,7 @@ TEST_CASE("the fp32 element update is bitwise scale invariant for power-of-two s
     for (int step = 0; step < 20; ++step) {
       StepReport r{};
       Decision d{};
-      decide(host_totals({view}, DType::f16), dev, decide_params(c, 500), r, d);
+      decide_for(host_totals({view}, DType::f16), dev, c, 500, r, d);
       REQUIRE(d.apply == 1);
       const GroupConsts k = group_consts(gp, c.groups[0].lr, dev.step);
       for (std::size_t i = 0; i < 500; ++i) {
@@ -300,6 +313,29 @@ TEST_CASE("group constants follow the bias-corrected formula", "[step_math]") {
   CHECK(k.decay == 1.0f);
   CHECK(k.classic == 1);
   CHECK(k.l2 == 0.1f);
+}
+
+TEST_CASE("sizes derived from numel never overflow", "[step_math]") {
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max();
+  CHECK(chunks_of(huge) == huge / kChunkElems + 1);
+  CHECK(chunks_of(0) == 0);
+  CHECK(chunks_of(kChunkElems) == 1);
+  CHECK(chunks_of(kChunkElems + 1) == 2);
+  // A tensor too large for one launch's grid is refused before anything is allocated.
+  std::vector<float> x(1);
+  std::vector<std::uint16_t> g(1);
+  ParamTensor p{x.data(), g.data(), x.data(), x.data(), nullptr, std::int64_t{1} << 50, 0};
+  try {
+    (void)build_tensor_table({p});
+    FAIL("a table of 2^35 chunks was built");
+  } catch (const Error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("chunks of 32768 elements"));
+  }
+  std::vector<ParamTensor> many(3, p);
+  many[0].numel = many[1].numel = many[2].numel = std::int64_t{1} << 45;  // 2^30 chunks each
+  CHECK_THROWS_AS(build_tensor_table(many), Error);
+  CHECK_THROWS_AS(WorkspaceLayout::make(1, 1, SIZE_MAX / 8), Error);
+  CHECK_THROWS_AS(WorkspaceLayout::make(SIZE_MAX / 16, 1, 1), Error);
 }
 
 TEST_CASE("the tensor table covers every element once in tensor order", "[step_math]") {

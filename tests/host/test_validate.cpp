@@ -2,6 +2,8 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <random>
 
 #include "halfstep/error.hpp"
@@ -74,6 +76,51 @@ TEST_CASE("AdamWConfig rejects eps <= 0 and negative weight decay", "[validate]"
   h = AdamWConfig{};
   h.weight_decay = -0.01f;
   CHECK_THROWS_WITH(h.validate(), Catch::Contains("AdamWConfig.weight_decay"));
+}
+
+TEST_CASE("limits that match what the device computes: eps and min_scale normal, lr * wd < 1", "[validate]") {
+  AdamWConfig h;
+  for (float eps : {1e-45f, 1e-39f, 0x1p-127f}) {  // subnormal: m / eps overflows on the device
+    h.eps = eps;
+    CAPTURE(eps);
+    CHECK_THROWS_WITH(h.validate(), Catch::Contains("AdamWConfig.eps must be a normal fp32 number"));
+  }
+  h.eps = 0x1p-126f;
+  CHECK_NOTHROW(h.validate());
+  h = AdamWConfig{};
+  h.lr = 10.0f;
+  h.weight_decay = 0.1f;  // 10 · 0.1 = 1: every weight multiplied by 0
+  CHECK_THROWS_WITH(h.validate(), Catch::Contains("AdamWConfig.lr * weight_decay must be < 1"));
+  h.lr = 1e30f;
+  h.weight_decay = 0.01f;
+  CHECK_THROWS_WITH(h.validate(), Catch::Contains("lr * weight_decay must be < 1"));
+  h.decoupled_weight_decay = false;  // classic L2 multiplies nothing by 1 - lr·wd
+  CHECK_NOTHROW(h.validate());
+  h = AdamWConfig{};
+  h.lr = 9.0f;
+  h.weight_decay = 0.1f;
+  CHECK_NOTHROW(h.validate());
+
+  ScalerConfig s;
+  for (float min : {1e-39f, 1e-45f, 0x1p-127f}) {  // 1 / S overflows fp32
+    s.min_scale = min;
+    s.init_scale = 1.0f;
+    CAPTURE(min);
+    CHECK_THROWS_WITH(s.validate(), Catch::Contains("ScalerConfig.min_scale must be a normal fp32 number"));
+  }
+  s.min_scale = 0x1p-126f;
+  CHECK_NOTHROW(s.validate());
+}
+
+TEST_CASE("buffers whose end would wrap past the address space are rejected", "[validate]") {
+  HostModel m = three_tensors();
+  auto v = m.views();
+  v[0].numel = std::int64_t{1} << 60;  // 2^62 bytes of master from a heap address
+  v[0].master = reinterpret_cast<float*>(std::uintptr_t{0xFFFF000000000000ull});
+  CHECK_THROWS_WITH(validate(v, StepConfig{}), Catch::Contains("would run past the end of the address space"));
+  v = m.views();
+  v[1].numel = std::numeric_limits<std::int64_t>::max();
+  CHECK_THROWS_WITH(validate(v, StepConfig{}), Catch::Contains("tensors[1].numel is too large"));
 }
 
 TEST_CASE("a step config without groups is rejected", "[validate]") {

@@ -262,6 +262,12 @@ HALFSTEP_EMU_ATOMIC(atomicExch, float, val)
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 
+// Integer intrinsics.
+inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+
 // Bit casts.
 #define HALFSTEP_EMU_BITCAST(name, From, To) \
   inline To name(From x) {                   \
