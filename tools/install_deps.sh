@@ -2,7 +2,8 @@
 # Installs the Debian packages halfstep builds and tests with, if any are missing. Idempotent and
 # non-interactive; the CUDA toolkit itself is assumed (nvcc, CUB, cuBLAS).
 set -euo pipefail
-packages=(cmake ninja-build g++ catch2 libbenchmark-dev libopenblas-dev pkg-config libboost-context-dev zlib1g-dev clang libclang-rt-14-dev
+packages=(cmake ninja-build g++ catch2 libbenchmark-dev libopenblas-dev pkg-config
+          libboost-context-dev zlib1g-dev clang libclang-rt-14-dev
           python3 python3-numpy python3-matplotlib)
 missing=()
 for p in "${packages[@]}"; do
