@@ -438,11 +438,13 @@ TEST_CASE("gpu state moves between the cuda and reference backends", "[gpu][chec
     dev.upload_grads(h);
     opt.step();
   }
+  opt.set_lr(0, 2e-4f);  // the learning rate is part of the checkpoint
   const std::string saved = opt.save_state();
   HostModel host = dev.download(h);
   FusedAdamW cpu(host.views(), c, Backend::reference);
   cpu.load_state(saved);
   CHECK(cpu.state() == opt.state());
+  CHECK(cpu.learning_rates() == std::vector<float>{2e-4f});
   // And back: a corrupt checkpoint leaves the device state as it was.
   const OptimizerState before = opt.state();
   std::string bad = saved;
@@ -450,8 +452,11 @@ TEST_CASE("gpu state moves between the cuda and reference backends", "[gpu][chec
   CHECK_THROWS_AS(opt.load_state(bad), Error);
   CHECK(opt.state() == before);
   cpu.step();
+  cpu.set_lr(0, 7e-4f);
   opt.load_state(cpu.save_state());
   CHECK(opt.state() == cpu.state());
+  CHECK(opt.learning_rates() == std::vector<float>{7e-4f});  // restored into device memory
+  CHECK(opt.config().groups[0].lr == 7e-4f);
   float device_scale = 0.0f;
   GPU_CHECK(cudaMemcpy(&device_scale, opt.device_loss_scale(), sizeof(float), cudaMemcpyDeviceToHost));
   CHECK(device_scale == cpu.loss_scale());
