@@ -59,7 +59,8 @@ class Report(C.Structure):
                 ("grad_norm", C.c_double), ("clip_coef", C.c_float),
                 ("nonfinite_count", C.c_int64), ("first_nonfinite_tensor", C.c_int32),
                 ("max_abs_scaled", C.c_float), ("headroom_log2", C.c_float),
-                ("subnormal_count", C.c_int64), ("zero_count", C.c_int64), ("numel", C.c_int64)]
+                ("subnormal_count", C.c_int64), ("zero_count", C.c_int64), ("numel", C.c_int64),
+                ("reason", C.c_int32), ("held_elements", C.c_int64)]
 
 
 APPLIED, SKIPPED_OVERFLOW = 0, 1

@@ -10,6 +10,8 @@
 
 #include "halfstep/error.hpp"
 #include "halfstep/fused_adamw.hpp"
+#include "halfstep/safetensors.hpp"
+#include "halfstep/version.hpp"
 
 struct halfstep_optimizer {
   halfstep::FusedAdamW opt;
@@ -252,6 +254,128 @@ halfstep_status halfstep_load_state(halfstep_optimizer* opt, const void* data, s
   return guarded([&] {
     require(opt != nullptr && (data != nullptr || size == 0), "opt and data must not be NULL");
     opt->opt.load_state(std::string_view(static_cast<const char*>(data), size));
+  });
+}
+
+float* halfstep_device_lr(halfstep_optimizer* opt, int32_t group) {
+  float* out = nullptr;
+  if (guarded([&] {
+        require(opt != nullptr, "opt must not be NULL");
+        out = opt->opt.device_lr(group);
+      }) != HALFSTEP_OK) {
+    return nullptr;
+  }
+  return out;
+}
+
+halfstep_status halfstep_learning_rates(halfstep_optimizer* opt, float* out, int32_t n_groups) {
+  return guarded([&] {
+    require(opt != nullptr && out != nullptr, "opt and out must not be NULL");
+    const std::vector<float> lr = opt->opt.learning_rates();
+    require(n_groups == static_cast<int32_t>(lr.size()), "n_groups must equal the optimizer's group count");
+    std::memcpy(out, lr.data(), lr.size() * sizeof(float));
+  });
+}
+
+halfstep_status halfstep_sizes(halfstep_optimizer* opt, int64_t* n_tensors, int32_t* n_groups) {
+  return guarded([&] {
+    require(opt != nullptr && n_tensors != nullptr && n_groups != nullptr,
+            "opt, n_tensors and n_groups must not be NULL");
+    *n_tensors = static_cast<int64_t>(opt->opt.tensors().size());
+    *n_groups = static_cast<int32_t>(opt->opt.config().groups.size());
+  });
+}
+
+halfstep_status halfstep_get_state(halfstep_optimizer* opt, halfstep_state* out) {
+  return guarded([&] {
+    require(opt != nullptr && out != nullptr, "opt and out must not be NULL");
+    const halfstep::OptimizerState s = opt->opt.state();
+    out->scale = s.scaler.scale;
+    out->good_steps = s.scaler.good_steps;
+    out->hysteresis_left = s.scaler.hysteresis_left;
+    out->overflows = s.scaler.overflows;
+    out->growths = s.scaler.growths;
+    out->backoffs = s.scaler.backoffs;
+    out->spike_mean = s.spike.mean;
+    out->spike_var = s.spike.var;
+    out->spike_seen = s.spike.seen;
+    out->spikes = s.spike.spikes;
+    out->spike_consecutive = s.spike.consecutive;
+    out->step = s.step;
+    out->attempts = s.attempts;
+  });
+}
+
+namespace {
+std::vector<std::string> strings(const char* const* list, int64_t n, const char* what) {
+  require(n >= 0 && n <= INT32_MAX && (n == 0 || list != nullptr),
+          (std::string(what) + " must point to n strings").c_str());
+  std::vector<std::string> out;
+  for (int64_t i = 0; i < n; ++i) {
+    require(list[i] != nullptr, (std::string(what) + " holds a NULL string").c_str());
+    out.emplace_back(list[i]);
+  }
+  return out;
+}
+}  // namespace
+
+halfstep_status halfstep_save_checkpoint(halfstep_optimizer* opt, const char* const* names, int64_t n_names,
+                                         const char* path, int32_t include_model,
+                                         const char* const* metadata_keys,
+                                         const char* const* metadata_values, int64_t n_metadata) {
+  return guarded([&] {
+    require(opt != nullptr && path != nullptr, "opt and path must not be NULL");
+    halfstep::CheckpointOptions options;
+    options.include_model = include_model != 0;
+    const auto keys = strings(metadata_keys, n_metadata, "metadata_keys");
+    const auto values = strings(metadata_values, n_metadata, "metadata_values");
+    for (std::size_t i = 0; i < keys.size(); ++i) options.metadata[keys[i]] = values[i];
+    halfstep::save_checkpoint(opt->opt, strings(names, n_names, "names"), path, options);
+  });
+}
+
+halfstep_status halfstep_load_checkpoint(halfstep_optimizer* opt, const char* const* names, int64_t n_names,
+                                         const char* path) {
+  return guarded([&] {
+    require(opt != nullptr && path != nullptr, "opt and path must not be NULL");
+    (void)halfstep::load_checkpoint(opt->opt, strings(names, n_names, "names"), path);
+  });
+}
+
+halfstep_status halfstep_checkpoint_metadata(const char* path, const char* key, char* buffer,
+                                             size_t capacity, size_t* size) {
+  return guarded([&] {
+    require(path != nullptr && key != nullptr && size != nullptr, "path, key and size must not be NULL");
+    const auto meta = halfstep::checkpoint_metadata(path);
+    const auto it = meta.find(key);
+    require(it != meta.end(), (std::string("the checkpoint has no metadata key '") + key + "'").c_str());
+    *size = it->second.size();
+    if (buffer == nullptr) return;
+    require(capacity > it->second.size(), "capacity must hold the value and its NUL (query *size first)");
+    std::memcpy(buffer, it->second.c_str(), it->second.size() + 1);
+  });
+}
+
+const char* halfstep_version(void) { return halfstep::version(); }
+int32_t halfstep_version_number(void) { return halfstep::version_number(); }
+
+const char* halfstep_outcome_name(int32_t outcome) {
+  if (outcome < 0 || outcome > static_cast<int32_t>(halfstep::Outcome::skipped_nonfinite_update)) return "unknown";
+  return halfstep::outcome_name(static_cast<halfstep::Outcome>(outcome));
+}
+
+const char* halfstep_reason_name(int32_t reason) {
+  if (reason < 0 || reason > static_cast<int32_t>(halfstep::SkipReason::invalid_learning_rate)) return "unknown";
+  return halfstep::skip_reason_name(static_cast<halfstep::SkipReason>(reason));
+}
+
+halfstep_status halfstep_workspace_bytes(const int64_t* numels, int64_t n_tensors, int32_t n_groups, size_t* out) {
+  return guarded([&] {
+    require(out != nullptr && n_tensors >= 0 && n_tensors <= INT32_MAX && (n_tensors == 0 || numels != nullptr) &&
+                n_groups >= 1,
+            "numels must point to n_tensors in [0, 2^31 - 1] sizes, n_groups >= 1 and out not NULL");
+    *out = halfstep::workspace_bytes(std::vector<std::int64_t>(numels, numels + n_tensors),
+                                     static_cast<std::size_t>(n_groups));
   });
 }
 

@@ -58,7 +58,8 @@ void require_device_buffer(const void* ptr, std::int64_t numel, std::size_t t, c
 
 class CudaImpl final : public FusedAdamW::Impl {
  public:
-  CudaImpl(const std::vector<ParamTensor>& tensors, const StepConfig& config) : config_(config) {
+  CudaImpl(const std::vector<ParamTensor>& tensors, const StepConfig& config)
+      : config_(config), tensors_(tensors) {
     validate(tensors, config_);
     int devices = 0;
     const cudaError_t status = cudaGetDeviceCount(&devices);
@@ -258,6 +259,7 @@ class CudaImpl final : public FusedAdamW::Impl {
   }
 
   const StepConfig& config() const override { return config_; }
+  const std::vector<ParamTensor>& tensors() const override { return tensors_; }
   std::int64_t chunk_count() const override { return n_chunks_; }
   int launches_per_step() const override { return n_chunks_ > 0 ? 3 : 1; }
 
@@ -318,6 +320,7 @@ class CudaImpl final : public FusedAdamW::Impl {
   }
 
   StepConfig config_;
+  std::vector<ParamTensor> tensors_;
   int device_ = -1;
   std::size_t n_tensors_ = 0;
   std::int64_t n_chunks_ = 0;

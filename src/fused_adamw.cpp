@@ -69,6 +69,7 @@ class ReferenceImpl final : public FusedAdamW::Impl {
     for (std::size_t g = 0; g < lr.size(); ++g) config_.groups[g].lr = lr[g];
   }
   const StepConfig& config() const override { return config_; }
+  const std::vector<ParamTensor>& tensors() const override { return tensors_; }
   std::int64_t chunk_count() const override { return 0; }
   int launches_per_step() const override { return 0; }
   void enqueue_pass(int, Stream) override {
@@ -148,6 +149,7 @@ void FusedAdamW::load_state(std::string_view bytes) {
 }
 
 const StepConfig& FusedAdamW::config() const { return impl().config(); }
+const std::vector<ParamTensor>& FusedAdamW::tensors() const { return impl().tensors(); }
 Backend FusedAdamW::backend() const {
   impl();
   return backend_;

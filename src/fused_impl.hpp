@@ -22,6 +22,7 @@ struct FusedAdamW::Impl {
   /// Replaces the state and the learning rates (checked by halfstep::load_state before).
   virtual void restore(const OptimizerState& state, const std::vector<float>& lr) = 0;
   virtual const StepConfig& config() const = 0;
+  virtual const std::vector<ParamTensor>& tensors() const = 0;
   virtual std::int64_t chunk_count() const = 0;
   virtual int launches_per_step() const = 0;
   /// Enqueues one pass of a device-resident step alone (Backend::cuda only; for benchmarks).

@@ -18,9 +18,10 @@ double grad_value(const ParamTensor& p, DType dtype, std::int64_t i) {
   return from_bits16(dtype, static_cast<const std::uint16_t*>(p.grad)[i]);
 }
 
+// A 16-bit pattern is finite unless its exponent field is all ones.
 bool finite_bits16(DType dtype, std::uint16_t bits) {
-  const BitClass c = classify_bits16(dtype, bits);
-  return c != BitClass::infinite && c != BitClass::nan;
+  const unsigned exponent = dtype == DType::bf16 ? 0x7F80u : 0x7C00u;
+  return (bits & exponent) != exponent;
 }
 
 // Why an update from the largest unscaled, clipped gradient g_max could not be finite in fp32,

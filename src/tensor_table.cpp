@@ -104,4 +104,18 @@ std::size_t workspace_bytes(const std::vector<std::int64_t>& tensor_numels, std:
   return detail::WorkspaceLayout::make(tensor_numels.size(), static_cast<std::size_t>(chunks), groups).bytes;
 }
 
+std::size_t workspace_bytes(std::uint64_t tensors, std::uint64_t chunks, std::size_t groups) {
+  detail::require(tensors <= 0x7FFFFFFF, "at most 2^31 - 1 tensors in one step, got ", tensors);
+  detail::require(chunks <= detail::kMaxChunks, "at most ", detail::kMaxChunks, " chunks of ",
+                  detail::kChunkElems, " elements in one step, got ", chunks);
+  return detail::WorkspaceLayout::make(static_cast<std::size_t>(tensors), static_cast<std::size_t>(chunks), groups).bytes;
+}
+
+std::int64_t chunk_elements() { return detail::kChunkElems; }
+
+std::int64_t chunk_count(std::int64_t numel) {
+  detail::require(numel >= 0, "numel must be >= 0, got ", numel);
+  return detail::chunks_of(numel);
+}
+
 }  // namespace halfstep

@@ -3,8 +3,8 @@
 # non-interactive; the CUDA toolkit itself is assumed (nvcc, CUB, cuBLAS).
 set -euo pipefail
 packages=(cmake ninja-build g++ catch2 libbenchmark-dev libopenblas-dev pkg-config
-          libboost-context-dev zlib1g-dev clang libclang-rt-14-dev
-          python3 python3-numpy python3-matplotlib)
+          libboost-context-dev zlib1g-dev nlohmann-json3-dev libcli11-dev clang libclang-rt-14-dev
+          python3 python3-numpy python3-matplotlib python3-venv)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -19,4 +19,13 @@ fi
 if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "nvcc not found: install the CUDA toolkit (nvcc, CUB, cuBLAS) first" >&2
   exit 1
+fi
+
+# Python's safetensors package (PyPI; Debian has none) for the checkpoint interoperability tests,
+# in a virtual environment at .venv that also sees Debian's numpy and matplotlib.
+root=$(cd "$(dirname "$0")/.." && pwd)
+if ! "$root/.venv/bin/python" -c "import safetensors, numpy" >/dev/null 2>&1; then
+  echo "creating $root/.venv with safetensors"
+  /usr/bin/python3 -m venv --system-site-packages "$root/.venv"
+  "$root/.venv/bin/pip" install -q --disable-pip-version-check safetensors
 fi

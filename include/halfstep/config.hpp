@@ -9,6 +9,8 @@
 #define HALFSTEP_HD
 #endif
 
+/// halfstep's version; CMake reads it from here. The library reports the version it was built as
+/// at run time (halfstep::version(), halfstep_version()).
 #define HALFSTEP_VERSION_MAJOR 0
-#define HALFSTEP_VERSION_MINOR 1
+#define HALFSTEP_VERSION_MINOR 2
 #define HALFSTEP_VERSION_PATCH 0

@@ -33,6 +33,17 @@ enum class Backend {
 /// sizes in `groups` parameter groups (the tensor table, per-chunk partials, state and report).
 std::size_t workspace_bytes(const std::vector<std::int64_t>& tensor_numels, std::size_t groups);
 
+/// The same from counts alone, for planning without a list: `tensors` tensors split into `chunks`
+/// chunks in all (chunk_count of each tensor, summed). Throws halfstep::Error past what one step
+/// can hold (2^31 - 1 tensors or chunks).
+std::size_t workspace_bytes(std::uint64_t tensors, std::uint64_t chunks, std::size_t groups);
+
+/// Elements per chunk: a step launches one thread block per chunk of every tensor.
+std::int64_t chunk_elements();
+
+/// Chunks a tensor of `numel` >= 0 elements splits into.
+std::int64_t chunk_count(std::int64_t numel);
+
 /// The fused step over a fixed set of parameter tensors.
 ///
 /// Setup (the constructor) validates everything, builds the table of tensors and chunks in
@@ -97,6 +108,9 @@ class FusedAdamW {
 
   /// The configuration this step was built with (learning rates as set by set_lr on the host).
   const StepConfig& config() const;
+
+  /// The tensors this step was built with, in order.
+  const std::vector<ParamTensor>& tensors() const;
 
   /// The backend it runs on.
   Backend backend() const;

@@ -86,7 +86,27 @@ typedef struct halfstep_report {
   int64_t held_elements; /**< elements kept because their update would not have been finite */
 } halfstep_report;
 
+/** The optimizer's own state (halfstep::OptimizerState): loss scaler, spike detector, counters. */
+typedef struct halfstep_state {
+  float scale;
+  int32_t good_steps, hysteresis_left;
+  int64_t overflows, growths, backoffs;
+  double spike_mean, spike_var;
+  int64_t spike_seen, spikes, spike_consecutive;
+  int64_t step, attempts;
+} halfstep_state;
+
 typedef struct halfstep_optimizer halfstep_optimizer;
+
+/** The library's version, "MAJOR.MINOR.PATCH", and as MAJOR * 10000 + MINOR * 100 + PATCH. */
+const char* halfstep_version(void);
+int32_t halfstep_version_number(void);
+/** Names of outcomes and skip reasons ("applied", "second_moment_exceeds_fp32", ...); "unknown"
+ *  for codes that are neither. */
+const char* halfstep_outcome_name(int32_t outcome);
+const char* halfstep_reason_name(int32_t reason);
+/** Bytes of device workspace Backend::cuda allocates for tensors of these sizes. */
+halfstep_status halfstep_workspace_bytes(const int64_t* numels, int64_t n_tensors, int32_t n_groups, size_t* out);
 
 /** Fills `config` with halfstep's defaults (CUDA backend, fp16, no clipping, spike off). */
 void halfstep_config_init(halfstep_config* config);
@@ -108,17 +128,43 @@ halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* o
 halfstep_status halfstep_nonfinite_counts(halfstep_optimizer* opt, int64_t* out, int64_t n_tensors);
 /** Sets a group's learning rate, ordered on `stream`. */
 halfstep_status halfstep_set_lr(halfstep_optimizer* opt, int32_t group, float lr, void* stream);
+/** Device memory holding a group's learning rate, for schedules computed on the device (host
+ *  memory for the reference backend); an invalid value written there skips the step with
+ *  HALFSTEP_REASON_INVALID_LEARNING_RATE. NULL on error. */
+float* halfstep_device_lr(halfstep_optimizer* opt, int32_t group);
+/** Each group's learning rate as the next step reads it into out[0 .. n_groups); waits. */
+halfstep_status halfstep_learning_rates(halfstep_optimizer* opt, float* out, int32_t n_groups);
+/** Tensors and groups the optimizer was built with. */
+halfstep_status halfstep_sizes(halfstep_optimizer* opt, int64_t* n_tensors, int32_t* n_groups);
 /** The loss scale for the next step; waits for the last step. */
 halfstep_status halfstep_loss_scale(halfstep_optimizer* opt, float* out);
 /** Device memory holding the loss scale (host memory for the reference backend); NULL on error. */
 const float* halfstep_device_loss_scale(halfstep_optimizer* opt);
 /** Applied steps and attempts so far; waits for the last step. */
 halfstep_status halfstep_step_count(halfstep_optimizer* opt, int64_t* applied, int64_t* attempts);
+/** The whole optimizer state; waits for the last step. */
+halfstep_status halfstep_get_state(halfstep_optimizer* opt, halfstep_state* out);
 /** Writes the checkpoint into `buffer` (capacity bytes) and its size into *size. With a NULL
  *  buffer only *size is written. A buffer that is too small is an invalid argument. */
 halfstep_status halfstep_save_state(halfstep_optimizer* opt, void* buffer, size_t capacity, size_t* size);
 /** Restores a checkpoint; on error the state is unchanged. */
 halfstep_status halfstep_load_state(halfstep_optimizer* opt, const void* data, size_t size);
+
+/** A full checkpoint (halfstep/safetensors.hpp) at `path`: each tensor's master, moments and
+ *  (include_model != 0) model copy under names[i] (+ ".exp_avg", ".exp_avg_sq", ".model"), the
+ *  optimizer state, and n_metadata string pairs of the caller's (may be 0). */
+halfstep_status halfstep_save_checkpoint(halfstep_optimizer* opt, const char* const* names, int64_t n_names,
+                                         const char* path, int32_t include_model,
+                                         const char* const* metadata_keys,
+                                         const char* const* metadata_values, int64_t n_metadata);
+/** Restores a full checkpoint into the optimizer's buffers and state; on error nothing changes. */
+halfstep_status halfstep_load_checkpoint(halfstep_optimizer* opt, const char* const* names, int64_t n_names,
+                                         const char* path);
+/** The value of the caller's metadata `key` in the checkpoint at `path`, into `buffer` (capacity
+ *  bytes, including the terminating NUL) with its length in *size; a NULL buffer writes only
+ *  *size. A key that is not there is an invalid argument. */
+halfstep_status halfstep_checkpoint_metadata(const char* path, const char* key, char* buffer,
+                                             size_t capacity, size_t* size);
 
 /** The message of this thread's last failed call ("" if none). */
 const char* halfstep_last_error(void);

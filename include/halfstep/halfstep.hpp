@@ -10,3 +10,4 @@
 #include "halfstep/spike.hpp"
 #include "halfstep/step.hpp"
 #include "halfstep/fused_adamw.hpp"
+#include "halfstep/version.hpp"

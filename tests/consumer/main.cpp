@@ -12,8 +12,8 @@ int main() {
   halfstep::ParamTensor t{master.data(), grad.data(), m.data(), v.data(), model.data(), 3};
   halfstep::OptimizerState state = halfstep::OptimizerState::initial(config);
   const halfstep::StepReport r = halfstep::reference::step({t}, config, state);
-  std::printf("outcome %s, grad_norm %.6f, master[0] %.6f\n", halfstep::outcome_name(r.outcome),
-              r.grad_norm, static_cast<double>(master[0]));
+  std::printf("halfstep %s: outcome %s, grad_norm %.6f, master[0] %.6f\n", halfstep::version(),
+              halfstep::outcome_name(r.outcome), r.grad_norm, static_cast<double>(master[0]));
   const bool ok = r.outcome == halfstep::Outcome::applied && state.step == 1 && master[0] < 1.0f;
   return ok ? 0 : 1;
 }

@@ -5,12 +5,14 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdio>
 #include <random>
 
 #include "gpu_support.hpp"
 #include "trajectory.hpp"
 #include "halfstep/checkpoint.hpp"
 #include "halfstep/error.hpp"
+#include "halfstep/safetensors.hpp"
 
 using namespace halfstep;
 using namespace halfstep_test;
@@ -460,6 +462,47 @@ TEST_CASE("gpu state moves between the cuda and reference backends", "[gpu][chec
   float device_scale = 0.0f;
   GPU_CHECK(cudaMemcpy(&device_scale, opt.device_loss_scale(), sizeof(float), cudaMemcpyDeviceToHost));
   CHECK(device_scale == cpu.loss_scale());
+}
+
+TEST_CASE("gpu full checkpoints move between the cuda and reference backends bit for bit", "[gpu][checkpoint]") {
+  HostModel h = poisoned_model(25, {3000, 0, 41}, 4096.0f, DType::f16, DType::bf16);
+  h.tensors[1].with_model = false;
+  DeviceModel dev(h);
+  StepConfig c = config_for(DType::f16, DType::bf16, 4096.0f, 1.0f);
+  FusedAdamW opt(dev.views(), c);
+  std::mt19937_64 g(26);
+  for (int i = 0; i < 3; ++i) {
+    for (auto& t : h.tensors) refill_grads(g, t, DType::f16, opt.loss_scale());
+    dev.upload_grads(h);
+    opt.step();
+  }
+  const std::vector<std::string> names = {"w", "empty", "b"};
+  const std::string path = "halfstep_gpu_checkpoint.safetensors";
+  save_checkpoint(opt, names, path);
+  // Into the reference backend: the device's buffers and state, exactly.
+  HostModel host = poisoned_model(27, {3000, 0, 41}, 1.0f, DType::f16, DType::bf16);
+  host.tensors[1].with_model = false;
+  FusedAdamW cpu(host.views(), c, Backend::reference);
+  load_checkpoint(cpu, names, path);
+  const HostModel on_device = dev.download(h);
+  for (std::size_t t = 0; t < h.tensors.size(); ++t) {
+    CHECK(host.tensors[t].master == on_device.tensors[t].master);
+    CHECK(host.tensors[t].exp_avg_sq == on_device.tensors[t].exp_avg_sq);
+    CHECK(host.tensors[t].model == on_device.tensors[t].model);
+  }
+  CHECK(cpu.state() == opt.state());
+  // And back onto the device from a reference checkpoint one step later.
+  cpu.step();
+  save_checkpoint(cpu, names, path);
+  load_checkpoint(opt, names, path);
+  const HostModel back = dev.download(h);
+  for (std::size_t t = 0; t < h.tensors.size(); ++t) {
+    CHECK(back.tensors[t].master == host.tensors[t].master);
+    CHECK(back.tensors[t].exp_avg == host.tensors[t].exp_avg);
+    CHECK(back.tensors[t].model == host.tensors[t].model);
+  }
+  CHECK(opt.state() == cpu.state());
+  std::remove(path.c_str());
 }
 
 TEST_CASE("gpu set_lr and device_lr change the learning rate in stream order", "[gpu]") {

@@ -1,4 +1,4 @@
-// The CPU reference step and the invariants of DESIGN.md it pins.
+// The CPU reference step and the rules of docs/design.md it pins.
 #include <catch2/catch.hpp>
 
 #include <algorithm>

@@ -1,0 +1,15 @@
+// halfstep: the library's version at run time, which may differ from the headers a program was
+// compiled with (HALFSTEP_VERSION_* in halfstep/config.hpp) when the shared library is replaced.
+#pragma once
+
+#include "halfstep/config.hpp"
+
+namespace halfstep {
+
+/// "MAJOR.MINOR.PATCH" of the library in use.
+const char* version();
+
+/// MAJOR * 10000 + MINOR * 100 + PATCH of the library in use.
+int version_number();
+
+}  // namespace halfstep

@@ -1,0 +1,139 @@
+/* The C API from C (C99): every function a C or Python caller needs, on the reference backend.
+ * halfstep_c_api_exercise returns 0, or the number of the first check that failed (the C++ test
+ * prints it with halfstep_last_error()). */
+#include <halfstep/halfstep.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#define N 40
+#define CHECK(id, cond) \
+  do {                  \
+    if (!(cond)) return (id); \
+  } while (0)
+
+static uint16_t f16_bits(float x) { /* small normal values only: enough for gradients here */
+  uint32_t b;
+  memcpy(&b, &x, 4);
+  return (uint16_t)(((b >> 16) & 0x8000u) | ((((b >> 23) & 0xFFu) - 112u) << 10) | ((b >> 13) & 0x3FFu));
+}
+
+int halfstep_c_api_exercise(const char* dir) {
+  static float master[2][N], m[2][N], v[2][N];
+  static uint16_t grad[2][N], model[2][N];
+  halfstep_tensor tensors[2];
+  halfstep_group groups[2];
+  halfstep_config config;
+  halfstep_optimizer* opt = NULL;
+  halfstep_report report;
+  halfstep_state state;
+  int64_t counts[2], n_tensors = 0, applied = 0, attempts = 0;
+  int32_t n_groups = 0;
+  float lr[2], scale = 0.0f;
+  size_t size = 0, bytes = 0;
+  unsigned char saved[4096];
+  char path[512], value[64];
+  const char* names[2] = {"encoder.weight", "encoder.bias"};
+  const char* keys[1] = {"epoch"};
+  const char* values[1] = {"7"};
+  int i, t;
+
+  /* The version and the names of codes. */
+  CHECK(1, strlen(halfstep_version()) >= 5);
+  CHECK(2, halfstep_version_number() >= 200);
+  CHECK(3, strcmp(halfstep_outcome_name(HALFSTEP_SKIPPED_NONFINITE_UPDATE), "skipped_nonfinite_update") == 0);
+  CHECK(4, strcmp(halfstep_reason_name(HALFSTEP_REASON_INVALID_LEARNING_RATE), "invalid_learning_rate") == 0);
+  CHECK(5, strcmp(halfstep_outcome_name(99), "unknown") == 0);
+  {
+    const int64_t numels[2] = {N, 3};
+    CHECK(6, halfstep_workspace_bytes(numels, 2, 1, &bytes) == HALFSTEP_OK && bytes > 0);
+    CHECK(7, halfstep_workspace_bytes(numels, -1, 1, &bytes) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  }
+
+  /* Two tensors in two groups. */
+  for (t = 0; t < 2; ++t) {
+    for (i = 0; i < N; ++i) {
+      master[t][i] = 0.5f - 0.01f * (float)i;
+      m[t][i] = v[t][i] = 0.0f;
+      grad[t][i] = f16_bits((0.001f + 0.0001f * (float)i) * 1024.0f);
+    }
+    tensors[t].master = master[t];
+    tensors[t].grad = grad[t];
+    tensors[t].exp_avg = m[t];
+    tensors[t].exp_avg_sq = v[t];
+    tensors[t].model = model[t];
+    tensors[t].numel = N;
+    tensors[t].group = t;
+    halfstep_group_init(&groups[t]);
+  }
+  groups[0].weight_decay = 0.01f;
+  halfstep_config_init(&config);
+  config.backend = HALFSTEP_BACKEND_REFERENCE;
+  config.init_scale = 1024.0f;
+  config.max_grad_norm = 1.0f;
+  CHECK(10, halfstep_create(tensors, 2, groups, 2, &config, &opt) == HALFSTEP_OK);
+  CHECK(11, halfstep_sizes(opt, &n_tensors, &n_groups) == HALFSTEP_OK && n_tensors == 2 && n_groups == 2);
+  CHECK(12, halfstep_last_report(opt, &report) == HALFSTEP_ERROR_USAGE); /* no step yet */
+
+  /* A step, its report, counts, scale and state. */
+  CHECK(20, halfstep_step(opt, NULL) == HALFSTEP_OK);
+  CHECK(21, halfstep_last_report(opt, &report) == HALFSTEP_OK);
+  CHECK(22, report.outcome == HALFSTEP_APPLIED && report.reason == HALFSTEP_REASON_NONE && report.step == 1);
+  CHECK(23, report.held_elements == 0 && report.numel == 2 * N && report.grad_norm > 0.0);
+  CHECK(24, master[0][0] < 0.5f); /* the weight moved against its gradient */
+  CHECK(25, halfstep_nonfinite_counts(opt, counts, 2) == HALFSTEP_OK && counts[0] == 0 && counts[1] == 0);
+  CHECK(26, halfstep_loss_scale(opt, &scale) == HALFSTEP_OK && scale == 1024.0f);
+  CHECK(27, *halfstep_device_loss_scale(opt) == 1024.0f);
+  CHECK(28, halfstep_step_count(opt, &applied, &attempts) == HALFSTEP_OK && applied == 1 && attempts == 1);
+  CHECK(29, halfstep_get_state(opt, &state) == HALFSTEP_OK && state.scale == 1024.0f && state.step == 1);
+
+  /* An overflow names its tensor. */
+  grad[1][5] = 0x7C00;
+  CHECK(30, halfstep_step(opt, NULL) == HALFSTEP_OK);
+  CHECK(31, halfstep_last_report(opt, &report) == HALFSTEP_OK);
+  CHECK(32, report.outcome == HALFSTEP_SKIPPED_OVERFLOW && report.reason == HALFSTEP_REASON_NONFINITE_GRADIENT);
+  CHECK(33, report.first_nonfinite_tensor == 1);
+  CHECK(34, halfstep_nonfinite_counts(opt, counts, 2) == HALFSTEP_OK && counts[1] == 1);
+  grad[1][5] = grad[1][4];
+
+  /* Learning rates: set_lr, device_lr, and an invalid one written on the device. */
+  CHECK(40, halfstep_set_lr(opt, 1, 2e-4f, NULL) == HALFSTEP_OK);
+  CHECK(41, halfstep_device_lr(opt, 0) != NULL);
+  *halfstep_device_lr(opt, 0) = 3e-4f;
+  CHECK(42, halfstep_learning_rates(opt, lr, 2) == HALFSTEP_OK && lr[0] == 3e-4f && lr[1] == 2e-4f);
+  CHECK(43, halfstep_device_lr(opt, 5) == NULL && strstr(halfstep_last_error(), "group") != NULL);
+  *halfstep_device_lr(opt, 0) = -1.0f;
+  CHECK(44, halfstep_step(opt, NULL) == HALFSTEP_OK);
+  CHECK(45, halfstep_last_report(opt, &report) == HALFSTEP_OK);
+  CHECK(46, report.outcome == HALFSTEP_SKIPPED_NONFINITE_UPDATE &&
+                report.reason == HALFSTEP_REASON_INVALID_LEARNING_RATE);
+  *halfstep_device_lr(opt, 0) = 3e-4f;
+
+  /* The optimizer-state checkpoint through a caller's buffer. */
+  CHECK(50, halfstep_save_state(opt, NULL, 0, &size) == HALFSTEP_OK && size > 0 && size <= sizeof saved);
+  CHECK(51, halfstep_save_state(opt, saved, sizeof saved, &size) == HALFSTEP_OK);
+  CHECK(52, halfstep_step(opt, NULL) == HALFSTEP_OK);
+  CHECK(53, halfstep_load_state(opt, saved, size) == HALFSTEP_OK);
+  CHECK(54, halfstep_step_count(opt, &applied, &attempts) == HALFSTEP_OK && attempts == 3);
+
+  /* A full checkpoint in a file, its metadata, and a restore. */
+  snprintf(path, sizeof path, "%s/c_api.safetensors", dir);
+  CHECK(60, halfstep_save_checkpoint(opt, names, 2, path, 1, keys, values, 1) == HALFSTEP_OK);
+  CHECK(61, halfstep_checkpoint_metadata(path, "epoch", NULL, 0, &size) == HALFSTEP_OK && size == 1);
+  CHECK(62, halfstep_checkpoint_metadata(path, "epoch", value, sizeof value, &size) == HALFSTEP_OK &&
+                strcmp(value, "7") == 0);
+  CHECK(63, halfstep_checkpoint_metadata(path, "missing", value, sizeof value, &size) ==
+                HALFSTEP_ERROR_INVALID_ARGUMENT);
+  {
+    const float kept = master[0][3];
+    master[0][3] = 99.0f;
+    CHECK(64, halfstep_load_checkpoint(opt, names, 2, path) == HALFSTEP_OK);
+    CHECK(65, master[0][3] == kept);
+    CHECK(66, halfstep_load_checkpoint(opt, names, 1, path) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  }
+  remove(path);
+  halfstep_destroy(opt);
+  halfstep_destroy(NULL);
+  return 0;
+}
