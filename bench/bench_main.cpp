@@ -5,9 +5,10 @@
 // step (a 256 MiB memset outside the events, so the 60 MB L2 of an H200 is not what is timed);
 // the row reports the median. Gradients are random, finite and never zero.
 //
-// Bytes a step must move (DESIGN.md): 30 per parameter with clipping (pass 1 reads the 2-byte
+// Bytes a step must move (docs/design.md): 30 per parameter with clipping (pass 1 reads the 2-byte
 // gradient; pass 2 reads gradient, master, m, v and writes master, m, v and the 2-byte model
 // copy), 28 without clipping. GB/s = those bytes / median time, for both implementations.
+#include <CLI/CLI.hpp>
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
 
@@ -23,6 +24,7 @@
 
 #include "fused_impl.hpp"
 #include "halfstep/fused_adamw.hpp"
+#include "halfstep/version.hpp"
 #include "unfused.hpp"
 
 namespace {
@@ -322,16 +324,23 @@ void print_table() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<char*> args;
-  for (int i = 0; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--halfstep_quick") == 0) {
-      g_options.quick = true;
-    } else if (std::strcmp(argv[i], "--halfstep_smoke") == 0) {
-      g_options.smoke = true;
-    } else {
-      args.push_back(argv[i]);
-    }
+  // halfstep's own options; everything else goes to Google Benchmark (--benchmark_filter, ...),
+  // which refuses what it does not know.
+  CLI::App app("halfstep-bench: the fused step against a device-to-device copy and an unfused pipeline, "
+               "timed with CUDA events (Google Benchmark options such as --benchmark_filter pass through)",
+               "halfstep-bench");
+  app.set_version_flag("--version", std::string("halfstep-bench ") + halfstep::version());
+  app.add_flag("--halfstep_quick", g_options.quick, "fewer sizes and iterations (bench/gpu_check.sh)");
+  app.add_flag("--halfstep_smoke", g_options.smoke, "tiny sizes, a few iterations: checks that it runs");
+  app.allow_extras();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
   }
+  std::vector<std::string> extras = app.remaining();
+  std::vector<char*> args = {argv[0]};
+  for (std::string& a : extras) args.push_back(a.data());
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("SKIPPED: no CUDA device\n");
@@ -342,6 +351,7 @@ int main(int argc, char** argv) {
   register_all();
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 2;
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   print_table();

@@ -11,7 +11,7 @@ import sys
 
 def load(path):
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
     if not rows:
         sys.exit(f"{path}: empty trace")
     for r in rows:

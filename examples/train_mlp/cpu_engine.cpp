@@ -144,28 +144,6 @@ class CpuEngine final : public Engine {
   void step(halfstep::FusedAdamW& opt) override { opt.step(); }
   float loss(std::int64_t step) override { return losses_[static_cast<std::size_t>(step)]; }
 
-  void read_state(std::vector<std::vector<float>>& master, std::vector<std::vector<float>>& m,
-                  std::vector<std::vector<float>>& v) override {
-    master.clear();
-    m.clear();
-    v.clear();
-    for (const Param& p : params_) {
-      master.push_back(p.master);
-      m.push_back(p.m);
-      v.push_back(p.v);
-    }
-  }
-
-  void write_state(const std::vector<std::vector<float>>& master, const std::vector<std::vector<float>>& m,
-                   const std::vector<std::vector<float>>& v) override {
-    for (std::size_t t = 0; t < params_.size(); ++t) {
-      params_[t].master = master[t];
-      params_[t].m = m[t];
-      params_[t].v = v[t];
-      for (std::size_t i = 0; i < master[t].size(); ++i) params_[t].model[i] = to_f16_bits(master[t][i]);
-    }
-  }
-
   void sync() override {}
 
  private:

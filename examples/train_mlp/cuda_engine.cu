@@ -248,25 +248,9 @@ class CudaEngine final : public Engine {
     return value;
   }
 
-  void read_state(std::vector<std::vector<float>>& master, std::vector<std::vector<float>>& m,
-                  std::vector<std::vector<float>>& v) override {
-    sync();
-    master.assign(params_.size(), {});
-    m.assign(params_.size(), {});
-    v.assign(params_.size(), {});
-    for (std::size_t t = 0; t < params_.size(); ++t) {
-      const Param& p = params_[t];
-      master[t].resize(p.n);
-      m[t].resize(p.n);
-      v[t].resize(p.n);
-      TRAIN_CHECK(cudaMemcpy(master[t].data(), p.master, p.n * 4, cudaMemcpyDeviceToHost));
-      TRAIN_CHECK(cudaMemcpy(m[t].data(), p.m, p.n * 4, cudaMemcpyDeviceToHost));
-      TRAIN_CHECK(cudaMemcpy(v[t].data(), p.v, p.n * 4, cudaMemcpyDeviceToHost));
-    }
-  }
-
+  // Sets masters and moments; the model copies become the masters rounded to fp16.
   void write_state(const std::vector<std::vector<float>>& master, const std::vector<std::vector<float>>& m,
-                   const std::vector<std::vector<float>>& v) override {
+                   const std::vector<std::vector<float>>& v) {
     sync();
     for (std::size_t t = 0; t < params_.size(); ++t) {
       const Param& p = params_[t];

@@ -13,6 +13,9 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+#include <halfstep/safetensors.hpp>
+
 #include "model.hpp"
 
 namespace {
@@ -20,32 +23,13 @@ namespace {
 using halfstep::Outcome;
 using halfstep::StepReport;
 
-const char* kUsage = R"(usage: halfstep-train [options]
+const char* kDescription = R"(halfstep-train: trains an MLP (fp16 weights and activations, fp32 masters) to fit a random
+teacher network, with halfstep's dynamic loss scaler and fused AdamW step, and prints what the
+scaler does. Uses the GPU if one is present (cuBLAS + the fused CUDA step), otherwise the CPU
+(OpenBLAS + halfstep's reference backend).)";
 
-Trains an MLP (fp16 weights and activations, fp32 masters) to fit a random teacher network,
-with halfstep's dynamic loss scaler and fused AdamW step. Uses the GPU if one is present.
-
-  --scenario NAME     default | overflow-storm | lr-decay | spike | fixed-scale
-  --steps N           optimizer steps (default: 3000 on the CPU, 5000 on a GPU)
-  --cpu               use the CPU engine even when a GPU is present
-  --width N           hidden width (default 256 on the CPU, 1024 on a GPU)
-  --layers N          hidden layers (default 3 on the CPU, 4 on a GPU)
-  --batch N           samples per step (default 128 on the CPU, 1024 on a GPU)
-  --lr X              base learning rate (default 1e-3)
-  --seed N            seed of the task, the initial weights and the data (default 1)
-  --print-every N     progress line every N steps (default: steps / 15)
-  --trace FILE.csv    one row per step: the loss and every StepReport field
-  --checkpoint FILE   save optimizer state and weights at the end
-  --resume FILE       continue from a checkpoint (same shape and seed)
-  --scale X           the constant loss scale of --scenario fixed-scale, a number or 2^k
-                      (default 2^-16: most gradients underflow to zero)
-  --spike-step N      the step whose gradient --scenario spike multiplies (default 3/4 in)
-  --spike-factor X    how much it multiplies it by (default 100)
-  --headroom-growth   let the scaler grow early when the measured headroom allows it
-  --growth-interval N clean steps before the scale grows (default 100)
-  --quiet             no progress lines, only the summary
-
-Scenarios (see ../shared/reference/loss-scale-dynamics.txt for why each behaves as it does):
+const char* kScenarios = R"(
+Scenarios (docs/loss-scaling.md explains why each behaves as it does):
   default          the scale climbs, overflows, backs off and settles just below overflow
   overflow-storm   starts at 2^24: a burst of skipped steps and backoffs, then settling
   lr-decay         the learning rate decays by 10^3 and the gradients shrink with the error:
@@ -53,6 +37,9 @@ Scenarios (see ../shared/reference/loss-scale-dynamics.txt for why each behaves 
   spike            a gradient spike at --spike-step is detected and the step skipped
   fixed-scale      a constant --scale: too small underflows (the loss stalls), too large
                    (try 2^24) overflows every step (nothing is applied)
+
+The library's own default growth interval is 2000 clean steps; this program uses 100 so the
+dynamics show within a short run (lr-decay uses 2000 unless --growth-interval is given).
 )";
 
 struct Options {
@@ -69,87 +56,75 @@ struct Options {
   float spike_factor = 100.0f;
   bool headroom_growth = false;
   int growth_interval = 100;
+  bool growth_interval_given = false;
   bool quiet = false;
+  std::string command_line;  // as given, for the trace
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
-  std::fprintf(stderr, "halfstep-train: %s\n\n%s", what.c_str(), kUsage);
+  std::fprintf(stderr, "halfstep-train: %s\nRun with --help for the options.\n", what.c_str());
   std::exit(2);
 }
 
-// A number, or a power of two written 2^k.
-double parse_number(const std::string& flag, const char* text) {
+// A positive number, or a power of two written 2^k.
+std::string positive_or_power(std::string& text) {
+  const bool power = text.rfind("2^", 0) == 0;
   char* end = nullptr;
-  const bool power = std::strncmp(text, "2^", 2) == 0;
-  double v = std::strtod(power ? text + 2 : text, &end);
-  if (power) v = std::exp2(v);
-  if (end == text || *end != '\0' || !std::isfinite(v)) usage_error(flag + " needs a number, got '" + text + "'");
-  return v;
+  const double v = std::strtod(power ? text.c_str() + 2 : text.c_str(), &end);
+  const double x = power ? std::exp2(v) : v;
+  if (end == text.c_str() + (power ? 2 : 0) || *end != '\0' || !std::isfinite(x) || !(x > 0)) {
+    return "a positive number or 2^k, got '" + text + "'";
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", x);
+  text = buf;
+  return "";
 }
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> const char* {
-      if (i + 1 >= argc) usage_error(a + " needs a value");
-      return argv[++i];
-    };
-    auto integer = [&](long long lo) {
-      const double v = parse_number(a, value());
-      if (v != std::floor(v) || v < static_cast<double>(lo)) usage_error(a + " needs an integer >= " + std::to_string(lo));
-      return static_cast<long long>(v);
-    };
-    if (a == "--help" || a == "-h") {
-      std::printf("%s", kUsage);
-      std::exit(0);
-    } else if (a == "--scenario") {
-      o.scenario = value();
-    } else if (a == "--steps") {
-      o.steps = integer(1);
-    } else if (a == "--cpu") {
-      o.cpu = true;
-    } else if (a == "--width") {
-      o.width = static_cast<int>(integer(1));
-    } else if (a == "--layers") {
-      o.layers = static_cast<int>(integer(1));
-    } else if (a == "--batch") {
-      o.batch = static_cast<int>(integer(1));
-    } else if (a == "--lr") {
-      o.lr = static_cast<float>(parse_number(a, value()));
-    } else if (a == "--seed") {
-      o.seed = static_cast<std::uint64_t>(integer(0));
-    } else if (a == "--print-every") {
-      o.print_every = integer(1);
-    } else if (a == "--trace") {
-      o.trace = value();
-    } else if (a == "--checkpoint") {
-      o.checkpoint = value();
-    } else if (a == "--resume") {
-      o.resume = value();
-    } else if (a == "--scale") {
-      o.scale = static_cast<float>(parse_number(a, value()));
-    } else if (a == "--spike-step") {
-      o.spike_step = integer(0);
-    } else if (a == "--spike-factor") {
-      o.spike_factor = static_cast<float>(parse_number(a, value()));
-    } else if (a == "--headroom-growth") {
-      o.headroom_growth = true;
-    } else if (a == "--growth-interval") {
-      o.growth_interval = static_cast<int>(integer(1));
-    } else if (a == "--quiet") {
-      o.quiet = true;
-    } else {
-      usage_error("unknown option '" + a + "'");
-    }
+  CLI::App app(kDescription, "halfstep-train");
+  app.footer(kScenarios);
+  app.set_version_flag("--version", std::string("halfstep-train ") + halfstep::version());
+  app.add_option("--scenario", o.scenario, "default | overflow-storm | lr-decay | spike | fixed-scale")
+      ->check(CLI::IsMember({"default", "overflow-storm", "lr-decay", "spike", "fixed-scale"}));
+  app.add_option("--steps", o.steps,
+                 "total optimizer steps of the run, counting those before --resume\n"
+                 "(default: 3000 on the CPU, 5000 on a GPU)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+  app.add_flag("--cpu", o.cpu, "use the CPU engine even when a GPU is present");
+  app.add_option("--width", o.width, "hidden width (default 256 on the CPU, 1024 on a GPU)")->check(CLI::Range(1, 1 << 16));
+  app.add_option("--layers", o.layers, "hidden layers (default 3 on the CPU, 4 on a GPU)")->check(CLI::Range(1, 64));
+  app.add_option("--batch", o.batch, "samples per step (default 128 on the CPU, 1024 on a GPU)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--lr", o.lr, "base learning rate (default 1e-3)")->check(CLI::Range(1e-12, 1.0));
+  app.add_option("--seed", o.seed, "seed of the task, the initial weights and the data (default 1)");
+  app.add_option("--print-every", o.print_every, "progress line every N steps (default: steps / 15)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--trace", o.trace, "FILE.csv: one row per step, the loss and every StepReport field");
+  app.add_option("--checkpoint", o.checkpoint,
+                 "FILE.safetensors: save weights, moments, model copies and optimizer state at the end");
+  app.add_option("--resume", o.resume, "FILE.safetensors: continue a run saved with --checkpoint (same shape and seed)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--scale", o.scale,
+                 "the constant loss scale of --scenario fixed-scale, a number or 2^k\n"
+                 "(default 2^-16: most gradients underflow to zero)")
+      ->transform(CLI::Validator(positive_or_power, "NUMBER|2^K"));
+  app.add_option("--spike-step", o.spike_step, "the step whose gradient --scenario spike multiplies (default 3/4 in)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--spike-factor", o.spike_factor, "how much it multiplies it by (default 100)")
+      ->check(CLI::Range(1.0, 1e30));
+  app.add_flag("--headroom-growth", o.headroom_growth, "let the scaler grow early when the measured headroom allows it");
+  auto* growth = app.add_option("--growth-interval", o.growth_interval, "clean steps before the scale grows (default 100)")
+                     ->check(CLI::Range(1, 1 << 30));
+  app.add_flag("--quiet", o.quiet, "no progress lines, only the summary");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
   }
-  const std::vector<std::string> known = {"default", "overflow-storm", "lr-decay", "spike", "fixed-scale"};
-  if (std::find(known.begin(), known.end(), o.scenario) == known.end()) {
-    usage_error("unknown scenario '" + o.scenario + "'");
-  }
-  if (!(o.lr > 0.0f)) usage_error("--lr must be > 0");
-  if (!(o.scale > 0.0f)) usage_error("--scale must be > 0");
-  if (!(o.spike_factor > 0.0f)) usage_error("--spike-factor must be > 0");
+  o.growth_interval_given = growth->count() > 0;
+  o.command_line = "halfstep-train";
+  for (int i = 1; i < argc; ++i) o.command_line += std::string(" ") + argv[i];
   return o;
 }
 
@@ -160,6 +135,10 @@ struct Scenario {
   std::int64_t spike_step = -1;
   float spike_factor = 1.0f;
 };
+
+// The spike scenario's limits, measured on this task (see make_scenario).
+constexpr std::int64_t kSpikeSettled = 400;
+constexpr float kSpikeFactorMin = 20.0f;
 
 Scenario make_scenario(const Options& o, std::int64_t steps) {
   Scenario s;
@@ -179,7 +158,12 @@ Scenario make_scenario(const Options& o, std::int64_t steps) {
     // The rate falls by 10^3 over the run while the scaler keeps its classic 2000-step window
     // (longer than the run), so the scale cannot follow the shrinking gradients.
     c.scaler.init_scale = 256.0f;
-    if (o.growth_interval == 100) c.scaler.growth_interval = 2000;
+    if (o.growth_interval_given) {
+      std::printf("note: --scenario lr-decay runs with your --growth-interval %d; its point shows with the\n"
+                  "      library's default 2000, a window longer than the run\n", o.growth_interval);
+    } else {
+      c.scaler.growth_interval = 2000;
+    }
     const double n = static_cast<double>(steps);
     s.lr = [base, n](std::int64_t t) { return static_cast<float>(base * std::pow(1e-3, static_cast<double>(t) / n)); };
   } else if (o.scenario == "spike") {
@@ -193,6 +177,24 @@ Scenario make_scenario(const Options& o, std::int64_t steps) {
     // the detector is insensitive (an EMA variance remembers the early descent).
     s.spike_step = o.spike_step >= 0 ? o.spike_step : steps * 3 / 4;
     s.spike_factor = o.spike_factor;
+    // Measured on this task: before ~310 steps the detector's variance still holds the early
+    // descent and a 100x spike is not flagged; below ~20x a spike stays within 6 deviations.
+    if (s.spike_step < kSpikeSettled) {
+      usage_error("--scenario spike: the spike would come at step " + std::to_string(s.spike_step) +
+                  ", before the detector can tell it apart (its statistics need about " +
+                  std::to_string(kSpikeSettled) + " steps of this run's history); give --steps " +
+                  std::to_string(kSpikeSettled * 4 / 3 + 1) + " or more, or --spike-step " +
+                  std::to_string(kSpikeSettled) + " or later");
+    }
+    if (s.spike_step >= steps) {
+      usage_error("--scenario spike: --spike-step " + std::to_string(s.spike_step) + " is not inside the run of " +
+                  std::to_string(steps) + " steps");
+    }
+    if (o.spike_factor < kSpikeFactorMin) {
+      usage_error("--scenario spike: --spike-factor " + std::to_string(o.spike_factor) +
+                  " is too small for the detector to flag on this task (it needs " +
+                  std::to_string(static_cast<int>(kSpikeFactorMin)) + " or more)");
+    }
   } else if (o.scenario == "fixed-scale") {
     c.scaler = halfstep::ScalerConfig::constant(o.scale);
   }
@@ -210,71 +212,50 @@ std::string log2_text(float x) {
   return buf;
 }
 
-// --- checkpoints: optimizer state (halfstep's format) plus the weights and moments ---------
-constexpr char kMagic[8] = {'H', 'S', 'T', 'R', 'A', 'I', 'N', '1'};
-
-template <class T>
-void put(std::ofstream& f, const T& v) { f.write(reinterpret_cast<const char*>(&v), sizeof v); }
-template <class T>
-T get(std::ifstream& f) {
-  T v{};
-  f.read(reinterpret_cast<char*>(&v), sizeof v);
-  if (!f) throw std::runtime_error("checkpoint is truncated");
-  return v;
+// --- checkpoints: halfstep's full checkpoint (safetensors) with this program's own metadata --
+std::vector<std::string> tensor_names(const train::Dims& dims) {
+  std::vector<std::string> names;
+  for (int l = 0; l < dims.layers(); ++l) {
+    names.push_back("layers." + std::to_string(l) + ".weight");
+    names.push_back("layers." + std::to_string(l) + ".bias");
+  }
+  return names;
 }
 
-std::vector<std::int32_t> shape_key(const train::Dims& d, std::uint64_t seed) {
-  return {d.d_in, d.width, d.hidden_layers, d.d_out, d.batch, d.samples, static_cast<std::int32_t>(seed)};
+std::string shape_key(const train::Dims& d, std::uint64_t seed) {
+  return std::to_string(d.d_in) + "," + std::to_string(d.width) + "," + std::to_string(d.hidden_layers) +
+         "," + std::to_string(d.d_out) + "," + std::to_string(d.batch) + "," + std::to_string(d.samples) +
+         ",seed " + std::to_string(seed);
 }
 
 void save_checkpoint(const std::string& path, std::int64_t next_step, const train::Dims& dims,
-                     std::uint64_t seed, halfstep::FusedAdamW& opt, train::Engine& engine) {
-  std::vector<std::vector<float>> master, m, v;
-  engine.read_state(master, m, v);
-  std::ofstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("cannot write " + path);
-  f.write(kMagic, 8);
-  for (std::int32_t k : shape_key(dims, seed)) put(f, k);
-  put(f, next_step);
-  const std::string state = opt.save_state();
-  put(f, static_cast<std::uint32_t>(state.size()));
-  f.write(state.data(), static_cast<std::streamsize>(state.size()));
-  put(f, static_cast<std::uint32_t>(master.size()));
-  for (std::size_t t = 0; t < master.size(); ++t) {
-    put(f, static_cast<std::int64_t>(master[t].size()));
-    for (const auto* buf : {&master[t], &m[t], &v[t]}) {
-      f.write(reinterpret_cast<const char*>(buf->data()), static_cast<std::streamsize>(buf->size() * 4));
-    }
-  }
-  if (!f) throw std::runtime_error("writing " + path + " failed");
+                     std::uint64_t seed, halfstep::FusedAdamW& opt) {
+  halfstep::CheckpointOptions options;
+  options.metadata["halfstep-train.next_step"] = std::to_string(next_step);
+  options.metadata["halfstep-train.shape"] = shape_key(dims, seed);
+  halfstep::save_checkpoint(opt, tensor_names(dims), path, options);
 }
 
 std::int64_t load_checkpoint(const std::string& path, const train::Dims& dims, std::uint64_t seed,
-                             halfstep::FusedAdamW& opt, train::Engine& engine) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("cannot read " + path);
-  char magic[8];
-  f.read(magic, 8);
-  if (!f || std::memcmp(magic, kMagic, 8) != 0) throw std::runtime_error(path + " is not a halfstep-train checkpoint");
-  for (std::int32_t k : shape_key(dims, seed)) {
-    if (get<std::int32_t>(f) != k) throw std::runtime_error(path + " was written for another shape or seed");
+                             std::int64_t steps, halfstep::FusedAdamW& opt) {
+  // This program's own metadata first; halfstep then checks and restores everything else.
+  const auto meta = halfstep::checkpoint_metadata(path);
+  const auto shape = meta.find("halfstep-train.shape");
+  const auto next = meta.find("halfstep-train.next_step");
+  if (shape == meta.end() || next == meta.end()) {
+    throw std::runtime_error(path + " is a halfstep checkpoint but not one halfstep-train wrote");
   }
-  const auto next_step = get<std::int64_t>(f);
-  std::string state(get<std::uint32_t>(f), '\0');
-  f.read(state.data(), static_cast<std::streamsize>(state.size()));
-  const auto shapes = train::tensor_shapes(dims);
-  if (get<std::uint32_t>(f) != shapes.size()) throw std::runtime_error(path + ": wrong tensor count");
-  std::vector<std::vector<float>> master(shapes.size()), m(shapes.size()), v(shapes.size());
-  for (std::size_t t = 0; t < shapes.size(); ++t) {
-    if (get<std::int64_t>(f) != shapes[t].numel) throw std::runtime_error(path + ": wrong tensor size");
-    for (auto* buf : {&master[t], &m[t], &v[t]}) {
-      buf->resize(static_cast<std::size_t>(shapes[t].numel));
-      f.read(reinterpret_cast<char*>(buf->data()), static_cast<std::streamsize>(buf->size() * 4));
-    }
+  if (shape->second != shape_key(dims, seed)) {
+    throw std::runtime_error(path + " was written for shape and seed " + shape->second + "; this run is " +
+                             shape_key(dims, seed));
   }
-  if (!f) throw std::runtime_error(path + " is truncated");
-  opt.load_state(state);  // halfstep checks the state itself
-  engine.write_state(master, m, v);
+  const std::int64_t next_step = std::stoll(next->second);
+  if (next_step >= steps) {
+    throw std::runtime_error(path + " is already at step " + std::to_string(next_step) + " and --steps " +
+                             std::to_string(steps) + " is the total: nothing to run (give --steps " +
+                             std::to_string(next_step + 1) + " or more)");
+  }
+  halfstep::load_checkpoint(opt, tensor_names(dims), path);
   return next_step;
 }
 
@@ -353,7 +334,7 @@ int run(const Options& o) {
 
   std::int64_t start = 0;
   if (!o.resume.empty()) {
-    start = load_checkpoint(o.resume, dims, o.seed, opt, *engine);
+    start = load_checkpoint(o.resume, dims, o.seed, steps, opt);
     std::printf("  resumed from %s at step %lld (loss scale %s)\n", o.resume.c_str(),
                 static_cast<long long>(start), log2_text(opt.loss_scale()).c_str());
   }
@@ -361,7 +342,11 @@ int run(const Options& o) {
   if (!o.trace.empty()) {
     trace = std::fopen(o.trace.c_str(), start > 0 ? "a" : "w");
     if (!trace) throw std::runtime_error("cannot write " + o.trace);
-    if (start == 0) trace_header(trace);
+    if (start == 0) {
+      std::fprintf(trace, "# %s (halfstep %s, %s)\n", o.command_line.c_str(), halfstep::version(),
+                   engine->name().c_str());
+      trace_header(trace);
+    }
   }
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -426,7 +411,7 @@ int run(const Options& o) {
   std::printf("  loss scale %s: %lld growths, %lld backoffs\n", log2_text(s.scaler.scale).c_str(),
               static_cast<long long>(s.scaler.growths), static_cast<long long>(s.scaler.backoffs));
   if (!o.checkpoint.empty()) {
-    save_checkpoint(o.checkpoint, steps, dims, o.seed, opt, *engine);
+    save_checkpoint(o.checkpoint, steps, dims, o.seed, opt);
     std::printf("  checkpoint written to %s\n", o.checkpoint.c_str());
   }
   return 0;

@@ -82,13 +82,6 @@ class Engine {
   virtual void step(halfstep::FusedAdamW& opt) = 0;
   /// The loss of batch `step` (waits for it).
   virtual float loss(std::int64_t step) = 0;
-  /// Copies masters, moments and model copies out (for checkpoints); waits.
-  virtual void read_state(std::vector<std::vector<float>>& master, std::vector<std::vector<float>>& m,
-                          std::vector<std::vector<float>>& v) = 0;
-  /// Restores masters and moments; the model copies become the masters rounded to fp16.
-  virtual void write_state(const std::vector<std::vector<float>>& master,
-                           const std::vector<std::vector<float>>& m,
-                           const std::vector<std::vector<float>>& v) = 0;
   /// Waits for everything enqueued.
   virtual void sync() = 0;
 };
