@@ -1,6 +1,5 @@
-// Internal device helpers: deterministic block-wide reductions. Each is a fixed tree of warp
-// shuffles and one pass over the warp results, so the same inputs always combine in the same
-// order; no atomics.
+// Internal device helpers: block-wide reductions of integers. Each is a fixed tree of warp
+// shuffles and one pass over the warp results; no atomics.
 #pragma once
 
 #include "device.cuh"
@@ -14,7 +13,8 @@ struct Sum {
   __device__ T operator()(T a, T b) const { return a + b; }
 };
 struct Max {
-  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  template <class T>
+  __device__ T operator()(T a, T b) const { return a < b ? b : a; }
 };
 struct Min {
   template <class T>

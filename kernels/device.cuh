@@ -8,6 +8,7 @@
 //                                         kernel<<<grid, block, shared_bytes, stream>>>(args...)
 //   load16<V>(p) / store16(p, v)          16-byte vector accesses; p must be 16-byte aligned
 //                                         (the emulated device checks it and faults otherwise)
+//   HALFSTEP_NOINLINE                     __noinline__ (a device function kept out of line)
 #pragma once
 
 #if defined(__CUDACC__)
@@ -15,6 +16,7 @@
 #include <cuda_runtime_api.h>
 
 #define HALFSTEP_SHARED(type, name) __shared__ ::halfstep::detail::Declared<type> name
+#define HALFSTEP_NOINLINE __noinline__
 #define HALFSTEP_LAUNCH(grid, block, shared_bytes, stream, ...) \
   __VA_ARGS__<<<(grid), (block), (shared_bytes), (stream)>>>
 
@@ -28,6 +30,7 @@
         static const char site = 0;                                                      \
         return static_cast<const void*>(&site);                                          \
       }(), #name)
+#define HALFSTEP_NOINLINE __attribute__((noinline))
 #define HALFSTEP_LAUNCH(grid, block, shared_bytes, stream, ...)                         \
   ::halfstep_emu::make_launch((grid), (block), (shared_bytes), (stream), #__VA_ARGS__, \
                               &__VA_ARGS__)

@@ -1,8 +1,12 @@
-// Finalize: one block turns pass 1's partials into the step's verdict. The partials are folded
-// in a fixed order (thread i takes chunks i, i + T, ... and a fixed tree combines the threads),
-// in fp64, so the norm is bitwise reproducible. Then one thread runs decide() — the overflow
-// verdict, norm, spike check, clip coefficient, scaler transition and report — and the block
-// computes each group's constants for pass 2.
+// Finalize: one block turns pass 1's partials into the step's verdict, in two stages.
+//
+// Reduce: the partials of this rank are added into its StepTotals record. Every quantity is an
+// integer (Σg² as exact limbs, counts, a bit pattern for the maximum, a key for the first inf/NaN),
+// so the order of the additions cannot change a bit.
+// Decide: one thread decodes the record — this rank's, or the one all ranks all-reduced — rounds
+// Σg² once to double and runs decide(): the overflow verdict, norm, spike check, clip
+// coefficient, scaler transition and report; then the block computes each group's constants for
+// pass 2.
 #include "device.cuh"
 
 #include <cstdint>
@@ -15,37 +19,66 @@
 namespace halfstep::detail {
 namespace {
 
-__global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const FinalizeArgs a) {
+__device__ void reduce_partials(const FinalizeArgs& a) {
   constexpr std::int64_t kNone = INT64_MAX;
-  double sum_sq = 0.0;
-  float max_abs = 0.0f;
-  std::int64_t nonfinite = 0, subnormal = 0, zero = 0, first_bad = kNone;
+  unsigned long long digit[5] = {0, 0, 0, 0, 0};
+  unsigned long long nonfinite = 0, subnormal = 0, zero = 0;
+  unsigned max_bits = 0;
+  std::int64_t first_bad = kNone;
   for (std::int64_t i = threadIdx.x; i < a.n_chunks; i += kFinalizeThreads) {
-    const ChunkPartial q = a.partials[i];
-    sum_sq += q.sum_sq;
-    max_abs = fmaxf(max_abs, q.max_abs);
+    const ChunkPartial& q = a.partials[i];
+#pragma unroll
+    for (int k = 0; k < 5; ++k) digit[k] += q.digit[k];
     nonfinite += q.nonfinite;
     subnormal += q.subnormal;
     zero += q.zero;
+    max_bits = max_bits < q.max_bits ? q.max_bits : max_bits;
     if (q.nonfinite != 0 && first_bad == kNone) first_bad = i;
   }
 
-  HALFSTEP_SHARED(double[kFinalizeThreads / 32], sum_scratch);
-  HALFSTEP_SHARED(float[kFinalizeThreads / 32], max_scratch);
-  HALFSTEP_SHARED(std::int64_t[kFinalizeThreads / 32], count_scratch);
+  HALFSTEP_SHARED(unsigned long long[kFinalizeThreads / 32], sum_scratch);
+  HALFSTEP_SHARED(unsigned[kFinalizeThreads / 32], max_scratch);
+  HALFSTEP_SHARED(std::int64_t[kFinalizeThreads / 32], min_scratch);
+#pragma unroll
+  for (int k = 0; k < 5; ++k) digit[k] = block_reduce<kFinalizeThreads>(digit[k], Sum{}, sum_scratch);
+  nonfinite = block_reduce<kFinalizeThreads>(nonfinite, Sum{}, sum_scratch);
+  subnormal = block_reduce<kFinalizeThreads>(subnormal, Sum{}, sum_scratch);
+  zero = block_reduce<kFinalizeThreads>(zero, Sum{}, sum_scratch);
+  max_bits = block_reduce<kFinalizeThreads>(max_bits, Max{}, max_scratch);
+  first_bad = block_reduce<kFinalizeThreads>(first_bad, Min{}, min_scratch);
+  if (threadIdx.x != 0) return;
+
+  // Every chunk's digits start at the same limb: the lowest class unit of this launch.
+  const int window = a.bf16 ? bf16_window_bottom(*a.window_hint) : 0;
+  const int base = class_unit_offset(a.bf16 != 0, window) / 32;
+  std::uint64_t limbs[kSumLimbs];
+  for (int i = 0; i < kSumLimbs; ++i) limbs[i] = 0;
+  for (int k = 0; k < 5; ++k) limbs[base + k] = digit[k];  // each < 2^31 chunks · 2^32
+  limbs_normalize(limbs);
+  for (int i = 0; i < kSumLimbs; ++i) {  // bf16 squares outside the window, consumed here
+    limbs[i] += a.spill[i];
+    a.spill[i] = 0;
+  }
+  limbs_normalize(limbs);
+
+  StepTotals r;
+  for (int i = 0; i < kSumLimbs; ++i) r.sum[i] = limbs[i];
+  r.sum[kSumLimbs] = nonfinite;
+  r.sum[kSumLimbs + 1] = subnormal;
+  r.sum[kSumLimbs + 2] = zero;
+  r.sum[kSumLimbs + 3] = static_cast<std::uint64_t>(a.numel);
+  r.max[0] = max_bits;
+  // Chunks are ordered by tensor, so the first bad chunk belongs to the first bad tensor.
+  r.max[1] = first_bad == kNone ? 0 : first_bad_key(a.rank, a.chunks[first_bad].tensor);
+  *a.totals = r;
+}
+
+__device__ void decide_step(const FinalizeArgs& a) {
   HALFSTEP_SHARED(std::int64_t, applied_step);
   HALFSTEP_SHARED(int, apply);
-  Totals t;
-  t.sum_sq = block_reduce<kFinalizeThreads>(sum_sq, Sum{}, sum_scratch);
-  t.max_abs = block_reduce<kFinalizeThreads>(max_abs, Max{}, max_scratch);
-  t.nonfinite = block_reduce<kFinalizeThreads>(nonfinite, Sum{}, count_scratch);
-  t.subnormal = block_reduce<kFinalizeThreads>(subnormal, Sum{}, count_scratch);
-  t.zero = block_reduce<kFinalizeThreads>(zero, Sum{}, count_scratch);
-  first_bad = block_reduce<kFinalizeThreads>(first_bad, Min{}, count_scratch);
-
   if (threadIdx.x == 0) {
-    // Chunks are ordered by tensor, so the first bad chunk belongs to the first bad tensor.
-    t.first_nonfinite_tensor = first_bad == kNone ? -1 : a.chunks[first_bad].tensor;
+    const StepTotals r = *a.totals;
+    const Totals t = decode_totals(r, a.bf16 != 0);
     DeviceState state = *a.state;
     StepReport report{};
     Decision decision{};
@@ -55,6 +88,8 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const Finali
     *a.decision = decision;
     apply = decision.apply;
     applied_step = state.step;
+    // The next step's bf16 window follows this step's largest gradient, on every rank alike.
+    if ((r.max[0] & 0x7FFFu) != 0) *a.window_hint = static_cast<std::uint32_t>(r.max[0] & 0x7FFFu);
   }
   __syncthreads();
   if (apply) {  // bias corrections use the applied-step counter after this step
@@ -64,12 +99,18 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const Finali
   }
 }
 
+__global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const FinalizeArgs a, const int stages) {
+  if (stages & kReduceStage) reduce_partials(a);
+  if (stages == (kReduceStage | kDecideStage)) __syncthreads();  // thread 0 wrote the record
+  if (stages & kDecideStage) decide_step(a);
+}
+
 __global__ void store_kernel(float* where, float value) { *where = value; }
 
 }  // namespace
 
-void launch_finalize(const FinalizeArgs& args, cudaStream_t stream) {
-  HALFSTEP_LAUNCH(1, kFinalizeThreads, 0, stream, finalize_kernel)(args);
+void launch_finalize(const FinalizeArgs& args, int stages, cudaStream_t stream) {
+  HALFSTEP_LAUNCH(1, kFinalizeThreads, 0, stream, finalize_kernel)(args, stages);
   HALFSTEP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -18,8 +18,8 @@ struct Format16;
 template <>
 struct Format16<DType::f16> {
   static constexpr unsigned kExpShift = 10, kExpMask = 0x1Fu, kFracMask = 0x3FFu;
-  /// f16 squares fit fp32 (65504² < 2^32), so a thread sums them in fp32.
-  using SumType = float;
+  /// The exponent field in place, and its lowest bit.
+  static constexpr unsigned kExpBits = 0x7C00u, kExpLsb = 0x0400u;
   __device__ static float to_float(std::uint16_t bits) {
     return __half2float(__ushort_as_half(bits));
   }
@@ -32,8 +32,8 @@ struct Format16<DType::f16> {
 template <>
 struct Format16<DType::bf16> {
   static constexpr unsigned kExpShift = 7, kExpMask = 0xFFu, kFracMask = 0x7Fu;
-  /// bf16 reaches 3.4e38, whose square overflows fp32, so a thread sums squares in fp64.
-  using SumType = double;
+  /// The exponent field in place, and its lowest bit.
+  static constexpr unsigned kExpBits = 0x7F80u, kExpLsb = 0x0080u;
   __device__ static float to_float(std::uint16_t bits) {
     return __uint_as_float(static_cast<unsigned>(bits) << 16);
   }

@@ -8,19 +8,40 @@
 #include <cstdint>
 
 #include "halfstep/formats.hpp"
+#include "halfstep/distributed.hpp"
 #include "step_types.hpp"
 
 namespace halfstep::detail {
 
+/// Arguments of pass 1.
+struct Pass1Args {
+  const TensorDesc* tensors;
+  const ChunkDesc* chunks;
+  ChunkPartial* partials;          // one per chunk
+  const std::uint32_t* window_hint;  // bf16: the previous step's largest |g| pattern
+  unsigned long long* spill;       // bf16: limbs of squares outside the window (kSumLimbs);
+                                   // the reduce stage adds them and clears them
+};
+
 /// Pass 1: one block per chunk reads every gradient once and writes the chunk's partial.
-void launch_check_and_norm(DType grad_dtype, const TensorDesc* tensors, const ChunkDesc* chunks,
-                           std::int64_t n_chunks, ChunkPartial* partials, cudaStream_t stream);
+void launch_check_and_norm(DType grad_dtype, const Pass1Args& args, std::int64_t n_chunks,
+                           cudaStream_t stream);
+
+/// The stages of the finalize kernel: reduce pass 1's partials into this rank's StepTotals
+/// record; decide from the (reduced) record. A single-rank step runs both in one launch.
+enum FinalizeStage : int { kReduceStage = 1, kDecideStage = 2 };
 
 /// Arguments of the finalize kernel.
 struct FinalizeArgs {
   const ChunkPartial* partials;
   const ChunkDesc* chunks;
   std::int64_t n_chunks;
+  std::uint32_t* window_hint;      // read by the reduce stage, updated by the decide stage
+  unsigned long long* spill;
+  StepTotals* totals;              // written by the reduce stage, read by the decide stage
+  std::int64_t numel;              // elements of the tensors in the norm, on this rank
+  std::int32_t rank;               // this rank in the record's first-inf/NaN key
+  std::uint8_t bf16;               // the gradient format is bf16
   DeviceState* state;
   StepReport* report;
   Decision* decision;
@@ -31,8 +52,8 @@ struct FinalizeArgs {
   DecideParams decide;
 };
 
-/// Finalize: one block reduces the partials in a fixed order and runs decide().
-void launch_finalize(const FinalizeArgs& args, cudaStream_t stream);
+/// Finalize: one block runs the `stages` (FinalizeStage bits) asked for.
+void launch_finalize(const FinalizeArgs& args, int stages, cudaStream_t stream);
 
 /// Pass 2: one block per chunk; every block returns at once unless the decision is to apply.
 /// Elements held back because their update was not finite are added to report->held_elements.

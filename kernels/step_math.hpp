@@ -7,10 +7,55 @@
 
 #include <cstdint>
 
+#include "exact_sum.hpp"
 #include "halfstep/config.hpp"
+#include "halfstep/distributed.hpp"
 #include "step_types.hpp"
 
 namespace halfstep::detail {
+
+static_assert(kSumLimbs == StepTotals::kSumLimbs && StepTotals::kSumWords == kSumLimbs + 4,
+              "StepTotals holds the limbs, then four counts");
+
+/// The value of a 15-bit magnitude pattern of the gradient format, exactly.
+HALFSTEP_HD inline float magnitude_value(std::uint32_t bits, bool bf16) {
+  bits &= 0x7FFFu;
+  if (bf16) {
+    const int e = static_cast<int>(bits >> 7);
+    const double significand = static_cast<double>((bits & 0x7Fu) | (e != 0 ? 0x80u : 0u));
+    return static_cast<float>(::ldexp(significand, (e != 0 ? e : 1) - 134));
+  }
+  const int e = static_cast<int>(bits >> 10);
+  const double significand = static_cast<double>((bits & 0x3FFu) | (e != 0 ? 0x400u : 0u));
+  return static_cast<float>(::ldexp(significand, (e != 0 ? e : 1) - 25));
+}
+
+/// Decodes a (reduced) StepTotals record into the decision's totals: Σg² rounded once to nearest.
+HALFSTEP_HD inline Totals decode_totals(const StepTotals& r, bool bf16) {
+  std::uint64_t limbs[kSumLimbs];
+  for (int i = 0; i < kSumLimbs; ++i) limbs[i] = r.sum[i];
+  limbs_normalize(limbs);
+  Totals t;
+  t.sum_sq = limbs_to_double(limbs);
+  t.nonfinite = static_cast<std::int64_t>(r.sum[kSumLimbs]);
+  t.subnormal = static_cast<std::int64_t>(r.sum[kSumLimbs + 1]);
+  t.zero = static_cast<std::int64_t>(r.sum[kSumLimbs + 2]);
+  t.numel = static_cast<std::int64_t>(r.sum[kSumLimbs + 3]);
+  t.max_abs = magnitude_value(static_cast<std::uint32_t>(r.max[0]), bf16);
+  const std::uint64_t key = r.max[1];
+  if (key != 0) {
+    t.first_nonfinite_rank = static_cast<std::int32_t>(0xFFFFFFFFu - static_cast<std::uint32_t>(key >> 32));
+    t.first_nonfinite_tensor = static_cast<std::int32_t>(0xFFFFFFFFu - static_cast<std::uint32_t>(key));
+  }
+  return t;
+}
+
+/// The record's key for the first inf/NaN at (rank, tensor): larger for lower ranks, then lower
+/// tensors, so MAX finds the first.
+HALFSTEP_HD inline std::uint64_t first_bad_key(std::int32_t rank, std::int32_t tensor) {
+  return (static_cast<std::uint64_t>(0xFFFFFFFFu - static_cast<std::uint32_t>(rank)) << 32) |
+         (0xFFFFFFFFu - static_cast<std::uint32_t>(tensor));
+}
 
 /// Stores c > 0 as pre · coef · post_a · post_b (see Decision), c = coef · 2^e. For e > 0 half the
 /// exponent comes first, lifting a subnormal bf16 gradient into fp32's normal range before coef
@@ -87,6 +132,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const D
   report.held_elements = 0;
   report.nonfinite_count = totals.nonfinite;
   report.first_nonfinite_tensor = totals.first_nonfinite_tensor;
+  report.first_nonfinite_rank = totals.first_nonfinite_rank;
   report.max_abs_scaled = totals.max_abs;
   report.headroom_log2 = totals.max_abs > 0.0f
                              ? static_cast<float>(::log2(static_cast<double>(p.grad_format_max) /
@@ -94,7 +140,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const D
                              : HUGE_VALF;
   report.subnormal_count = totals.subnormal;
   report.zero_count = totals.zero;
-  report.numel = p.numel;
+  report.numel = totals.numel;
   decision.apply = 0;
   decision.coef = 0.0f;
   decision.pre = decision.post_a = decision.post_b = 1.0f;

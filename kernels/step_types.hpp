@@ -31,7 +31,8 @@ struct TensorDesc {
   std::int32_t group;
   std::uint8_t grad_vec;   // grad is 16-byte aligned: pass 1 may use vector loads
   std::uint8_t all_vec;    // every buffer is 16-byte aligned: pass 2 may use vector accesses
-  std::uint8_t pad_[2];
+  std::uint8_t in_norm;    // counted in Σg² and the subnormal/zero counts (ParamTensor::in_norm)
+  std::uint8_t pad_;
 };
 
 /// One chunk: elements [begin, begin + len) of tensor `tensor`. Chunks are ordered by tensor.
@@ -43,8 +44,9 @@ struct ChunkDesc {
 
 /// What pass 1 measured on one chunk.
 struct ChunkPartial {
-  double sum_sq;            // Σ g² of the finite scaled gradients
-  float max_abs;            // max |g| of the finite scaled gradients
+  std::uint32_t digit[5];   // Σg² of the finite scaled gradients: base-2^32 digits from limb
+                            // class_unit_offset / 32 (the same for every chunk of a launch)
+  std::uint32_t max_bits;   // the largest finite |g|, as its 16-bit pattern
   std::uint32_t nonfinite;  // inf and NaN elements
   std::uint32_t subnormal;  // elements stored as subnormals
   std::uint32_t zero;       // elements stored as ±0
@@ -90,12 +92,13 @@ struct Decision {
   float post_b;
 };
 
-/// The sums over all chunks that the decision needs.
+/// The sums over all chunks (and ranks) that the decision needs: a decoded StepTotals.
 struct Totals {
-  double sum_sq = 0.0;                  // Σ g² of the scaled gradient
+  double sum_sq = 0.0;                  // Σ g² of the scaled gradient, rounded once
   float max_abs = 0.0f;                 // of the finite scaled gradients
-  std::int64_t nonfinite = 0, subnormal = 0, zero = 0;
+  std::int64_t nonfinite = 0, subnormal = 0, zero = 0, numel = 0;
   std::int32_t first_nonfinite_tensor = -1;
+  std::int32_t first_nonfinite_rank = -1;
 };
 
 /// Everything the decision reads besides the totals and the state.
@@ -104,7 +107,6 @@ struct DecideParams {
   SpikeConfig spike;
   float max_grad_norm;
   float grad_format_max;  // largest finite value of the gradient format
-  std::int64_t numel;     // elements over all tensors
   bool device_scaler;     // run the scaler transition here (device-resident mode)
 };
 
@@ -133,14 +135,13 @@ inline GroupParams group_params(const AdamWConfig& h) {
                      static_cast<std::uint8_t>(h.bias_correction ? 1 : 0), {0, 0}};
 }
 
-/// What decide() needs from the step's configuration; `numel` counts all elements.
-inline DecideParams decide_params(const StepConfig& c, std::int64_t numel) {
+/// What decide() needs from the step's configuration.
+inline DecideParams decide_params(const StepConfig& c) {
   DecideParams p{};
   p.scaler = c.scaler;
   p.spike = c.spike;
   p.max_grad_norm = c.max_grad_norm;
   p.grad_format_max = format_info(c.grad_dtype).max;
-  p.numel = numel;
   p.device_scaler = !c.host_driven;
   return p;
 }

@@ -11,6 +11,7 @@
 #include "halfstep/checkpoint.hpp"
 #include "launch.hpp"
 #include "tensor_table.hpp"
+#include "distributed_impl.hpp"
 
 namespace halfstep::detail {
 namespace {
@@ -58,9 +59,10 @@ void require_device_buffer(const void* ptr, std::int64_t numel, std::size_t t, c
 
 class CudaImpl final : public FusedAdamW::Impl {
  public:
-  CudaImpl(const std::vector<ParamTensor>& tensors, const StepConfig& config)
-      : config_(config), tensors_(tensors) {
+  CudaImpl(const std::vector<ParamTensor>& tensors, const StepConfig& config, const Distributed& dist)
+      : config_(config), tensors_(tensors), dist_(dist) {
     validate(tensors, config_);
+    validate_distributed(dist_);
     int devices = 0;
     const cudaError_t status = cudaGetDeviceCount(&devices);
     if (status != cudaSuccess || devices == 0) {
@@ -71,6 +73,7 @@ class CudaImpl final : public FusedAdamW::Impl {
                                           " (Backend::reference runs without one)"));
     }
     HALFSTEP_CUDA_CHECK(cudaGetDevice(&device_));
+    for (std::size_t c = 0; c < dist_.comms.size(); ++c) check_communicator(dist_.comms[c], c, device_);
     for (std::size_t t = 0; t < tensors.size(); ++t) {
       const ParamTensor& p = tensors[t];
       require_device_buffer(p.master, p.numel, t, "master", device_);
@@ -101,6 +104,9 @@ class CudaImpl final : public FusedAdamW::Impl {
     d_params_ = reinterpret_cast<GroupParams*>(base + layout.params);
     d_lr_ = reinterpret_cast<float*>(base + layout.lr);
     d_consts_ = reinterpret_cast<GroupConsts*>(base + layout.consts);
+    d_totals_ = reinterpret_cast<StepTotals*>(base + layout.totals);
+    d_window_hint_ = reinterpret_cast<std::uint32_t*>(base + layout.window_hint);
+    d_spill_ = reinterpret_cast<unsigned long long*>(base + layout.spill);
 
     std::vector<GroupParams> params(n_groups);
     std::vector<float> lr(n_groups);
@@ -113,6 +119,9 @@ class CudaImpl final : public FusedAdamW::Impl {
     upload(d_params_, params.data(), n_groups);
     upload(d_lr_, lr.data(), n_groups);
     write_state(OptimizerState::initial(config_));
+    // bf16's first window: gradients near the initial loss scale (any value is correct).
+    const std::uint32_t hint = to_bits16(DType::bf16, config_.scaler.init_scale) & 0x7FFFu;
+    upload(d_window_hint_, &hint, 1);
 
     HALFSTEP_CUDA_CHECK(cudaMallocHost(&pinned_.ptr, sizeof(StepReport) + sizeof(ScalerState)));
     // attempt = 0 marks "no step has run": every step's report has attempt >= 1.
@@ -122,9 +131,20 @@ class CudaImpl final : public FusedAdamW::Impl {
                                                sizeof(StepReport));
     HALFSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&done_.event, cudaEventDisableTiming));
 
+    pass1_.tensors = d_tensors_;
+    pass1_.chunks = d_chunks_;
+    pass1_.partials = d_partials_;
+    pass1_.window_hint = d_window_hint_;
+    pass1_.spill = d_spill_;
     finalize_.partials = d_partials_;
     finalize_.chunks = d_chunks_;
     finalize_.n_chunks = n_chunks_;
+    finalize_.window_hint = d_window_hint_;
+    finalize_.spill = d_spill_;
+    finalize_.totals = d_totals_;
+    finalize_.numel = table.numel_in_norm;
+    finalize_.rank = dist_.rank;
+    finalize_.bf16 = config_.grad_dtype == DType::bf16 ? 1 : 0;
     finalize_.state = d_state_;
     finalize_.report = d_report_;
     finalize_.decision = d_decision_;
@@ -132,70 +152,41 @@ class CudaImpl final : public FusedAdamW::Impl {
     finalize_.lr = d_lr_;
     finalize_.consts = d_consts_;
     finalize_.n_groups = static_cast<std::int32_t>(n_groups);
-    finalize_.decide = decide_params(config_, table.numel);
+    finalize_.decide = decide_params(config_);
     settle_uploads();
   }
 
   void step(Stream stream) override {
-    int current = -1;
-    HALFSTEP_CUDA_CHECK(cudaGetDevice(&current));
-    if (current != device_) {
-      throw Error(ErrorKind::usage, concat("step: this FusedAdamW lives on device ", device_,
-                                           " but the current device is ", current));
+    const bool capturing = begin_step(stream, "step", true);
+    launch_check_and_norm(config_.grad_dtype, pass1_, n_chunks_, stream);
+    if (dist_.comms.empty()) {
+      launch_finalize(finalize_, kReduceStage | kDecideStage, stream);
+    } else {
+      launch_finalize(finalize_, kReduceStage, stream);
+      allreduce_totals(d_totals_, dist_.comms, stream);
+      launch_finalize(finalize_, kDecideStage, stream);
     }
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    HALFSTEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    const bool capturing = capture != cudaStreamCaptureStatusNone;
-    if (config_.host_driven && capturing) {
-      throw Error(ErrorKind::usage,
-                  "step: a host-driven step waits for the device and cannot be captured in a "
-                  "CUDA graph (use the default device-resident mode)");
-    }
-    if (attempts_ >= kCounterLimit) {
-      throw Error(ErrorKind::usage, concat("step: this optimizer has attempted ", kCounterLimit,
-                                           " steps (kCounterLimit); its counters are full"));
-    }
-    ++attempts_;  // every step counts once, eager or captured and replayed (a bound, not a count)
-
-    launch_check_and_norm(config_.grad_dtype, d_tensors_, d_chunks_, n_chunks_, d_partials_, stream);
-    launch_finalize(finalize_, stream);
-    if (!config_.host_driven) {
-      launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
-                   d_decision_, d_consts_, d_report_, stream);
-      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
-                                          cudaMemcpyDeviceToHost, stream));
-      record_done(stream, capturing);
-      has_step_ = true;
-      return;
-    }
-
-    // Host-driven: one synchronisation for pass 1's verdict, the scaler on the host, then pass 2
-    // only when the step is applied.
-    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
-                                        cudaMemcpyDeviceToHost, stream));
-    record_done(stream, false);
-    HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
-    StepReport report = *h_report_;
-    // The scaler moves on applied and overflow steps only: a spike or a non-finite update says
-    // nothing about the loss scale.
-    if (report.outcome == Outcome::applied || report.outcome == Outcome::skipped_overflow) {
-      scaler_.update(report.outcome == Outcome::skipped_overflow, report.headroom_log2);
-    }
-    *h_scaler_ = scaler_.state();  // the device's copy feeds the next backward pass
-    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(&d_state_->scaler, h_scaler_, sizeof(ScalerState),
-                                        cudaMemcpyHostToDevice, stream));
-    if (report.outcome == Outcome::applied) {
-      launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
-                   d_decision_, d_consts_, d_report_, stream);
-      // Pass 2's count of held elements, for last_report (which waits for it).
-      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
-                                          cudaMemcpyDeviceToHost, stream));
-    }
-    record_done(stream, false);
-    report.scale_next = scaler_.scale();
-    host_report_ = report;
-    has_step_ = true;
+    end_step(stream, capturing);
   }
+
+  void step_local(Stream stream) override {
+    begin_step(stream, "step_local", false);
+    launch_check_and_norm(config_.grad_dtype, pass1_, n_chunks_, stream);
+    launch_finalize(finalize_, kReduceStage, stream);
+    local_pending_ = true;
+  }
+
+  void step_finish(Stream stream) override {
+    if (!local_pending_) {
+      throw Error(ErrorKind::usage, "step_finish: no step_local since the last step finished");
+    }
+    const bool capturing = check_stream(stream, "step_finish", true);
+    local_pending_ = false;
+    launch_finalize(finalize_, kDecideStage, stream);
+    end_step(stream, capturing);
+  }
+
+  StepTotals* device_totals() override { return d_totals_; }
 
   // The report of the last step that ran (eager, or a replay of a captured step), after pass 2.
   StepReport last_report() override {
@@ -266,10 +257,10 @@ class CudaImpl final : public FusedAdamW::Impl {
   void enqueue_pass(int pass, Stream stream) override {
     switch (pass) {
       case kCheckAndNorm:
-        launch_check_and_norm(config_.grad_dtype, d_tensors_, d_chunks_, n_chunks_, d_partials_, stream);
+        launch_check_and_norm(config_.grad_dtype, pass1_, n_chunks_, stream);
         return;
       case kFinalize:
-        launch_finalize(finalize_, stream);
+        launch_finalize(finalize_, kReduceStage | kDecideStage, stream);
         return;
       case kApply:
         launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
@@ -284,6 +275,78 @@ class CudaImpl final : public FusedAdamW::Impl {
   void upload(T* dst, const T* src, std::size_t count) {
     if (count == 0) return;
     HALFSTEP_CUDA_CHECK(cudaMemcpy(dst, src, count * sizeof(T), cudaMemcpyHostToDevice));
+  }
+
+  // Checks the device and the stream; true when the stream is being captured. `decides`: the call
+  // runs the decision, which a host-driven step waits for.
+  bool check_stream(Stream stream, const char* what, bool decides) {
+    int current = -1;
+    HALFSTEP_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device_) {
+      throw Error(ErrorKind::usage, concat(what, ": this FusedAdamW lives on device ", device_,
+                                           " but the current device is ", current));
+    }
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    HALFSTEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    if (config_.host_driven && capturing && decides) {
+      throw Error(ErrorKind::usage,
+                  concat(what, ": a host-driven step waits for the device and cannot be captured in "
+                               "a CUDA graph (use the default device-resident mode)"));
+    }
+    return capturing;
+  }
+
+  // What every step does before pass 1: the checks, and the attempt bound.
+  bool begin_step(Stream stream, const char* what, bool decides) {
+    if (local_pending_) {
+      throw Error(ErrorKind::usage, concat(what, ": step_local has run; step_finish must end that step first"));
+    }
+    const bool capturing = check_stream(stream, what, decides);
+    if (attempts_ >= kCounterLimit) {
+      throw Error(ErrorKind::usage, concat(what, ": this optimizer has attempted ", kCounterLimit,
+                                           " steps (kCounterLimit); its counters are full"));
+    }
+    ++attempts_;  // every step counts once, eager or captured and replayed (a bound, not a count)
+    return capturing;
+  }
+
+  // After the decision: pass 2 and the report (device-resident), or the host's scaler and pass 2
+  // only when the step is applied (host-driven: one synchronisation).
+  void end_step(Stream stream, bool capturing) {
+    if (!config_.host_driven) {
+      launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
+                   d_decision_, d_consts_, d_report_, stream);
+      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
+                                          cudaMemcpyDeviceToHost, stream));
+      record_done(stream, capturing);
+      has_step_ = true;
+      return;
+    }
+    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
+                                        cudaMemcpyDeviceToHost, stream));
+    record_done(stream, false);
+    HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
+    StepReport report = *h_report_;
+    // The scaler moves on applied and overflow steps only: a spike or a non-finite update says
+    // nothing about the loss scale.
+    if (report.outcome == Outcome::applied || report.outcome == Outcome::skipped_overflow) {
+      scaler_.update(report.outcome == Outcome::skipped_overflow, report.headroom_log2);
+    }
+    *h_scaler_ = scaler_.state();  // the device's copy feeds the next backward pass
+    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(&d_state_->scaler, h_scaler_, sizeof(ScalerState),
+                                        cudaMemcpyHostToDevice, stream));
+    if (report.outcome == Outcome::applied) {
+      launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
+                   d_decision_, d_consts_, d_report_, stream);
+      // Pass 2's count of held elements, for last_report (which waits for it).
+      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
+                                          cudaMemcpyDeviceToHost, stream));
+    }
+    record_done(stream, false);
+    report.scale_next = scaler_.scale();
+    host_report_ = report;
+    has_step_ = true;
   }
 
   void write_state(const OptimizerState& s) {
@@ -321,6 +384,7 @@ class CudaImpl final : public FusedAdamW::Impl {
 
   StepConfig config_;
   std::vector<ParamTensor> tensors_;
+  Distributed dist_;
   int device_ = -1;
   std::size_t n_tensors_ = 0;
   std::int64_t n_chunks_ = 0;
@@ -338,11 +402,16 @@ class CudaImpl final : public FusedAdamW::Impl {
   GroupParams* d_params_ = nullptr;
   float* d_lr_ = nullptr;
   GroupConsts* d_consts_ = nullptr;
+  StepTotals* d_totals_ = nullptr;
+  std::uint32_t* d_window_hint_ = nullptr;
+  unsigned long long* d_spill_ = nullptr;
   StepReport* h_report_ = nullptr;
   ScalerState* h_scaler_ = nullptr;
   StepReport host_report_{};
+  Pass1Args pass1_{};
   FinalizeArgs finalize_{};
   bool has_step_ = false;
+  bool local_pending_ = false;  // step_local ran; step_finish has not
   std::int64_t attempts_ = 0;  // the state's attempts plus the eager steps enqueued since (a graph
                                // replay is not counted here; the device saturates its counters)
 };
@@ -350,8 +419,8 @@ class CudaImpl final : public FusedAdamW::Impl {
 }  // namespace
 
 std::unique_ptr<FusedAdamW::Impl> make_cuda_impl(const std::vector<ParamTensor>& tensors,
-                                                 const StepConfig& config) {
-  return std::make_unique<CudaImpl>(tensors, config);
+                                                 const StepConfig& config, const Distributed& dist) {
+  return std::make_unique<CudaImpl>(tensors, config, dist);
 }
 
 }  // namespace halfstep::detail

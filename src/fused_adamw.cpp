@@ -7,6 +7,7 @@
 #include "halfstep/reference.hpp"
 #include "reference_impl.hpp"
 #include "tensor_table.hpp"
+#include "distributed_impl.hpp"
 
 namespace halfstep {
 namespace detail {
@@ -29,18 +30,37 @@ namespace {
 // (device_lr may have changed them) and skips a step whose learning rate is invalid.
 class ReferenceImpl final : public FusedAdamW::Impl {
  public:
-  ReferenceImpl(const std::vector<ParamTensor>& tensors, const StepConfig& config)
-      : tensors_(tensors), config_(config), state_(OptimizerState::initial(config)) {
+  ReferenceImpl(const std::vector<ParamTensor>& tensors, const StepConfig& config, const Distributed& dist)
+      : tensors_(tensors), config_(config), rank_(dist.rank), state_(OptimizerState::initial(config)) {
     validate(tensors_, config_);
+    validate_distributed(dist);
+    require(dist.comms.empty(), "Backend::reference takes no NCCL communicators (Distributed.comms has ",
+            dist.comms.size(), "): reduce its totals between step_local and step_finish");
   }
-  void step(Stream) override {
+  void step(Stream stream) override {
+    step_local(stream);
+    step_finish(stream);
+  }
+  void step_local(Stream) override {
+    if (local_pending_) {
+      throw Error(ErrorKind::usage, "step_local: step_local has run; step_finish must end that step first");
+    }
     if (state_.attempts >= kCounterLimit) {
       throw Error(ErrorKind::usage, concat("step: this optimizer has attempted ", kCounterLimit,
                                            " steps (kCounterLimit); its counters are full"));
     }
-    report_ = reference_step(tensors_, config_, state_, &nonfinite_);
+    totals_ = reference_measure(tensors_, config_, rank_, &nonfinite_);
+    local_pending_ = true;
+  }
+  void step_finish(Stream) override {
+    if (!local_pending_) {
+      throw Error(ErrorKind::usage, "step_finish: no step_local since the last step finished");
+    }
+    local_pending_ = false;
+    report_ = reference_finish(tensors_, config_, state_, totals_);
     has_report_ = true;
   }
+  StepTotals* device_totals() override { return &totals_; }
   StepReport last_report() override {
     require_step("last_report");
     return report_;
@@ -82,29 +102,37 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   }
   std::vector<ParamTensor> tensors_;
   StepConfig config_;
+  std::int32_t rank_;
   OptimizerState state_;
   StepReport report_{};
+  StepTotals totals_{};
   std::vector<std::int64_t> nonfinite_;
   bool has_report_ = false;
+  bool local_pending_ = false;
 };
 
 }  // namespace
 
 std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTensor>& tensors,
-                                                      const StepConfig& config) {
-  return std::make_unique<ReferenceImpl>(tensors, config);
+                                                      const StepConfig& config, const Distributed& dist) {
+  return std::make_unique<ReferenceImpl>(tensors, config, dist);
 }
 
 }  // namespace detail
 
 FusedAdamW::FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig& config,
-                       Backend backend) {
+                       Backend backend)
+    : FusedAdamW(tensors, config, Distributed{}, backend) {}
+
+FusedAdamW::FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+                       const Distributed& distributed, Backend backend) {
   detail::require(backend == Backend::cuda || backend == Backend::reference,
                   "backend must be Backend::cuda or Backend::reference, got ",
                   static_cast<int>(backend));
-  impl_ = backend == Backend::cuda ? detail::make_cuda_impl(tensors, config)
-                                   : detail::make_reference_impl(tensors, config);
+  impl_ = backend == Backend::cuda ? detail::make_cuda_impl(tensors, config, distributed)
+                                   : detail::make_reference_impl(tensors, config, distributed);
   backend_ = backend;
+  distributed_ = distributed;
 }
 
 FusedAdamW::~FusedAdamW() = default;
@@ -119,6 +147,13 @@ FusedAdamW::Impl& FusedAdamW::impl() const {
 }
 
 void FusedAdamW::step(Stream stream) { impl().step(stream); }
+void FusedAdamW::step_local(Stream stream) { impl().step_local(stream); }
+void FusedAdamW::step_finish(Stream stream) { impl().step_finish(stream); }
+StepTotals* FusedAdamW::device_totals() { return impl().device_totals(); }
+const Distributed& FusedAdamW::distributed() const {
+  impl();
+  return distributed_;
+}
 StepReport FusedAdamW::last_report() { return impl().last_report(); }
 std::vector<std::int64_t> FusedAdamW::nonfinite_counts() { return impl().nonfinite_counts(); }
 void FusedAdamW::set_lr(std::int32_t group, float lr, Stream stream) { impl().set_lr(group, lr, stream); }

@@ -11,6 +11,9 @@ namespace halfstep {
 struct FusedAdamW::Impl {
   virtual ~Impl() = default;
   virtual void step(Stream stream) = 0;
+  virtual void step_local(Stream stream) = 0;
+  virtual void step_finish(Stream stream) = 0;
+  virtual StepTotals* device_totals() = 0;
   virtual StepReport last_report() = 0;
   virtual std::vector<std::int64_t> nonfinite_counts() = 0;
   virtual void set_lr(std::int32_t group, float lr, Stream stream) = 0;
@@ -40,9 +43,9 @@ struct FusedAccess {
 };
 
 std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTensor>& tensors,
-                                                      const StepConfig& config);
+                                                      const StepConfig& config, const Distributed& dist);
 std::unique_ptr<FusedAdamW::Impl> make_cuda_impl(const std::vector<ParamTensor>& tensors,
-                                                 const StepConfig& config);
+                                                 const StepConfig& config, const Distributed& dist);
 
 /// Throws unless `group` names a group of `config`, `lr` is finite and >= 0, and lr·weight_decay
 /// < 1 for decoupled decay.

@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
+
+#include "halfstep/distributed.hpp"
 
 #include "reference_impl.hpp"
 
@@ -83,45 +86,194 @@ std::int64_t apply_tensor(const ParamTensor& p, const StepConfig& config, double
   return held;
 }
 
+
+// ---- Σg², exactly -------------------------------------------------------------------------
+// Every finite fp16/bf16 value is k · 2^e with k an integer below 2^11 and e >= -133, so every
+// square is k² (below 2^22) times a power of two no smaller than 2^-266: an integer in units of
+// 2^-266. SquareSum adds those integers; nothing is rounded until rounded_sum.
+
+// An unsigned integer in base 2^32, least significant digit first.
+using Digits = std::vector<std::uint32_t>;
+
+// Carries 64-bit words into base-2^32 digits (one more digit than words, for the last carry).
+Digits carry_digits(const std::uint64_t* words, std::size_t n) {
+  Digits d(n + 2, 0);
+  std::uint64_t carry = 0;  // below 2^32 + 2^32: adding a word below 2^64 could wrap, so split
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint64_t low = (words[i] & 0xFFFFFFFFu) + carry;
+    d[i] = static_cast<std::uint32_t>(low);
+    carry = (low >> 32) + (words[i] >> 32);
+  }
+  d[n] = static_cast<std::uint32_t>(carry);
+  d[n + 1] = static_cast<std::uint32_t>(carry >> 32);
+  return d;
+}
+
+class SquareSum {
+ public:
+  // Adds the square of the finite value whose magnitude pattern is `magnitude`.
+  void add(DType dtype, std::uint16_t magnitude) {
+    const bool bf16 = dtype == DType::bf16;
+    const int fraction_bits = bf16 ? 7 : 10;
+    const int bias = bf16 ? 127 : 15;
+    const int field = magnitude >> fraction_bits;
+    const std::uint64_t fraction = magnitude & ((1u << fraction_bits) - 1u);
+    const std::uint64_t k = field == 0 ? fraction : fraction | (std::uint64_t{1} << fraction_bits);
+    const int e = std::max(field, 1) - bias - fraction_bits;  // value = k · 2^e
+    const int shift = 2 * e + 266;                               // square in units of 2^-266
+    const std::uint64_t placed = (k * k) << (shift % 32);        // below 2^54
+    words_[static_cast<std::size_t>(shift / 32)] += placed & 0xFFFFFFFFu;
+    words_[static_cast<std::size_t>(shift / 32) + 1] += placed >> 32;
+  }
+  Digits digits() const { return carry_digits(words_.data(), words_.size()); }
+
+ private:
+  std::vector<std::uint64_t> words_ = std::vector<std::uint64_t>(StepTotals::kSumLimbs, 0);
+};
+
+int compare(const Digits& a, const Digits& b) {
+  const std::size_t n = std::max(a.size(), b.size());
+  for (std::size_t i = n; i-- > 0;) {
+    const std::uint32_t x = i < a.size() ? a[i] : 0, y = i < b.size() ? b[i] : 0;
+    if (x != y) return x < y ? -1 : 1;
+  }
+  return 0;
+}
+
+// a - b for a >= b.
+Digits subtract(const Digits& a, const Digits& b) {
+  Digits d(a.size(), 0);
+  std::int64_t borrow = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    std::int64_t v = static_cast<std::int64_t>(a[i]) - (i < b.size() ? b[i] : 0) - borrow;
+    borrow = v < 0 ? 1 : 0;
+    if (v < 0) v += std::int64_t{1} << 32;
+    d[i] = static_cast<std::uint32_t>(v);
+  }
+  return d;
+}
+
+// v · 2^shift.
+Digits shifted(std::uint64_t v, int shift) {
+  Digits d(static_cast<std::size_t>(shift / 32) + 4, 0);
+  const std::uint64_t lo = v << (shift % 32);
+  const std::uint64_t hi = shift % 32 == 0 ? 0 : v >> (64 - shift % 32);
+  d[static_cast<std::size_t>(shift / 32)] = static_cast<std::uint32_t>(lo);
+  d[static_cast<std::size_t>(shift / 32) + 1] = static_cast<std::uint32_t>(lo >> 32);
+  d[static_cast<std::size_t>(shift / 32) + 2] = static_cast<std::uint32_t>(hi);
+  return d;
+}
+
 }  // namespace
 
 namespace detail {
 
-StepReport reference_step(const std::vector<ParamTensor>& tensors, const StepConfig& config,
-                          OptimizerState& state, std::vector<std::int64_t>* nonfinite_per_tensor) {
+// The double nearest to the record's Σg² (ties to the even significand). An approximation first,
+// then the exact choice among its neighbours: each candidate c = m · 2^e (e >= -318 here) and the
+// sum are compared as integers in units of 2^-320.
+double reference_sum_of_squares(const StepTotals& totals) {
+  const Digits sum = carry_digits(totals.sum, StepTotals::kSumLimbs);
+  double approx = 0.0;
+  for (std::size_t i = sum.size(); i-- > 0;) approx = approx * 4294967296.0 + sum[i];
+  approx = std::ldexp(approx, -266);
+  if (approx == 0.0) return 0.0;
+  Digits exact(sum.size() + 2, 0);  // sum · 2^54
+  for (std::size_t i = 0; i < sum.size(); ++i) {
+    const Digits part = shifted(sum[i], static_cast<int>(32 * i) + 54);
+    std::uint64_t carry = 0;
+    for (std::size_t j = 0; j < exact.size(); ++j) {
+      const std::uint64_t v = std::uint64_t{exact[j]} + (j < part.size() ? part[j] : 0) + carry;
+      exact[j] = static_cast<std::uint32_t>(v);
+      carry = v >> 32;
+    }
+  }
+  double best = approx;
+  Digits best_gap;
+  bool have = false;
+  double c = approx;
+  for (int k = 0; k < 8; ++k) c = std::nextafter(c, 0.0);  // the approximation is within 2 ulps
+  for (int k = 0; k < 17; ++k, c = std::nextafter(c, HUGE_VAL)) {
+    int e = 0;
+    const double m = std::frexp(c, &e);  // c = m · 2^e, m in [0.5, 1)
+    const auto significand = static_cast<std::uint64_t>(std::ldexp(m, 53));
+    const Digits candidate = shifted(significand, e - 53 + 320);
+    const Digits gap = compare(exact, candidate) >= 0 ? subtract(exact, candidate) : subtract(candidate, exact);
+    const int order = have ? compare(gap, best_gap) : -1;
+    if (order < 0 || (order == 0 && (significand & 1u) == 0)) {
+      best = c;
+      best_gap = gap;
+      have = true;
+    }
+  }
+  return best;
+}
+
+StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+                             std::int32_t rank, std::vector<std::int64_t>* nonfinite_per_tensor) {
+  if (nonfinite_per_tensor) nonfinite_per_tensor->assign(tensors.size(), 0);
+  SquareSum squares;
+  std::uint64_t nonfinite = 0, subnormal = 0, zero = 0, numel = 0;
+  std::uint16_t max_bits = 0;
+  std::int64_t first_bad = -1;
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    const ParamTensor& p = tensors[t];
+    const auto* grad = static_cast<const std::uint16_t*>(p.grad);
+    std::int64_t bad = 0;
+    for (std::int64_t i = 0; i < p.numel; ++i) {
+      const BitClass c = classify_bits16(config.grad_dtype, grad[i]);
+      if (c == BitClass::infinite || c == BitClass::nan) {
+        ++bad;
+        continue;
+      }
+      const std::uint16_t magnitude = grad[i] & 0x7FFFu;
+      max_bits = std::max(max_bits, magnitude);  // patterns of |x| order as the values do
+      if (!p.in_norm) continue;
+      if (c == BitClass::zero) ++zero;
+      if (c == BitClass::subnormal) ++subnormal;
+      squares.add(config.grad_dtype, magnitude);
+    }
+    if (bad > 0 && first_bad < 0) first_bad = static_cast<std::int64_t>(t);
+    if (nonfinite_per_tensor) (*nonfinite_per_tensor)[t] = bad;
+    nonfinite += static_cast<std::uint64_t>(bad);
+    if (p.in_norm) numel += static_cast<std::uint64_t>(p.numel);
+  }
+  StepTotals r{};
+  const Digits digits = squares.digits();
+  for (int i = 0; i < StepTotals::kSumLimbs; ++i) r.sum[i] = digits[static_cast<std::size_t>(i)];
+  r.sum[StepTotals::kSumLimbs] = nonfinite;
+  r.sum[StepTotals::kSumLimbs + 1] = subnormal;
+  r.sum[StepTotals::kSumLimbs + 2] = zero;
+  r.sum[StepTotals::kSumLimbs + 3] = numel;
+  r.max[0] = max_bits;
+  if (first_bad >= 0) {  // the documented key: lower ranks, then lower tensors, are larger
+    r.max[1] = (std::uint64_t{0xFFFFFFFFu - static_cast<std::uint32_t>(rank)} << 32) |
+               (0xFFFFFFFFu - static_cast<std::uint32_t>(first_bad));
+  }
+  return r;
+}
+
+StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+                            OptimizerState& state, const StepTotals& totals) {
   StepReport r{};
   state.attempts = count_up(state.attempts);
   r.attempt = state.attempts;
   r.scale_used = state.scaler.scale;
-  r.first_nonfinite_tensor = -1;
   r.reason = SkipReason::none;
-  if (nonfinite_per_tensor) nonfinite_per_tensor->assign(tensors.size(), 0);
 
-  // Pass 1: classify every stored gradient and measure its size.
-  const double S = state.scaler.scale;
-  double max_abs = 0.0;
-  double sum_sq = 0.0;  // of the unscaled gradient
-  for (std::size_t t = 0; t < tensors.size(); ++t) {
-    const ParamTensor& p = tensors[t];
-    std::int64_t bad = 0;
-    for (std::int64_t i = 0; i < p.numel; ++i) {
-      const double g = grad_value(p, config.grad_dtype, i);
-      if (!std::isfinite(g)) {
-        ++bad;
-        continue;
-      }
-      const BitClass c =
-          classify_bits16(config.grad_dtype, static_cast<const std::uint16_t*>(p.grad)[i]);
-      if (c == BitClass::zero) ++r.zero_count;
-      if (c == BitClass::subnormal) ++r.subnormal_count;
-      max_abs = std::max(max_abs, std::fabs(g));
-      sum_sq += (g / S) * (g / S);
-    }
-    if (bad > 0 && r.first_nonfinite_tensor < 0) r.first_nonfinite_tensor = static_cast<std::int32_t>(t);
-    if (nonfinite_per_tensor) (*nonfinite_per_tensor)[t] = bad;
-    r.nonfinite_count += bad;
-    r.numel += p.numel;
+  // The record, decoded.
+  const std::size_t n = StepTotals::kSumLimbs;
+  r.nonfinite_count = static_cast<std::int64_t>(totals.sum[n]);
+  r.subnormal_count = static_cast<std::int64_t>(totals.sum[n + 1]);
+  r.zero_count = static_cast<std::int64_t>(totals.sum[n + 2]);
+  r.numel = static_cast<std::int64_t>(totals.sum[n + 3]);
+  const double max_abs = from_bits16(config.grad_dtype, static_cast<std::uint16_t>(totals.max[0] & 0x7FFFu));
+  r.first_nonfinite_rank = -1;
+  r.first_nonfinite_tensor = -1;
+  if (totals.max[1] != 0) {
+    r.first_nonfinite_rank = static_cast<std::int32_t>(0xFFFFFFFFu - (totals.max[1] >> 32));
+    r.first_nonfinite_tensor = static_cast<std::int32_t>(0xFFFFFFFFu - (totals.max[1] & 0xFFFFFFFFu));
   }
+  const double sum_sq = reference_sum_of_squares(totals);  // Σg² of the scaled gradients, rounded once
   r.max_abs_scaled = static_cast<float>(max_abs);
   r.headroom_log2 =
       max_abs > 0.0
@@ -142,7 +294,8 @@ StepReport reference_step(const std::vector<ParamTensor>& tensors, const StepCon
     return finish(Outcome::skipped_overflow, SkipReason::nonfinite_gradient);
   }
 
-  r.grad_norm = std::sqrt(sum_sq);
+  const double S = state.scaler.scale;
+  r.grad_norm = std::sqrt(sum_sq) / S;
   const double clip = config.max_grad_norm > 0.0f
                           ? std::min(1.0, config.max_grad_norm / (r.grad_norm + 1e-6))
                           : 1.0;
@@ -163,6 +316,12 @@ StepReport reference_step(const std::vector<ParamTensor>& tensors, const StepCon
   for (const ParamTensor& p : tensors) r.held_elements += apply_tensor(p, config, clip / S, state.step);
   state.scaler = next_state(state.scaler, config.scaler, false, r.headroom_log2);
   return finish(Outcome::applied, SkipReason::none);
+}
+
+StepReport reference_step(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+                          OptimizerState& state, std::vector<std::int64_t>* nonfinite_per_tensor) {
+  const StepTotals totals = reference_measure(tensors, config, 0, nonfinite_per_tensor);
+  return reference_finish(tensors, config, state, totals);
 }
 
 }  // namespace detail

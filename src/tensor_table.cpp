@@ -4,6 +4,8 @@
 #include <limits>
 
 #include "check.hpp"
+#include "exact_sum.hpp"
+#include "halfstep/distributed.hpp"
 #include "halfstep/fused_adamw.hpp"
 
 namespace halfstep::detail {
@@ -18,15 +20,17 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
           "at most 2^31 - 1 tensors, got ", tensors.size());
   // Count first, so a table too large for one launch is refused before anything is allocated.
   std::uint64_t n_chunks = 0;
-  std::int64_t numel = 0;
+  std::int64_t numel = 0, numel_in_norm = 0;
   for (const ParamTensor& p : tensors) {
     n_chunks += static_cast<std::uint64_t>(chunks_of(p.numel));  // each < 2^49: no overflow
     require(n_chunks <= kMaxChunks, "the tensors need more than ", kMaxChunks, " chunks of ",
             kChunkElems, " elements (one launch's grid)");
     numel += p.numel;  // < 2^31 chunks of 2^15 elements: no overflow
+    if (p.in_norm) numel_in_norm += p.numel;
   }
   TensorTable table;
   table.numel = numel;
+  table.numel_in_norm = numel_in_norm;
   table.tensors.reserve(tensors.size());
   table.chunks.reserve(static_cast<std::size_t>(n_chunks));
   for (std::size_t t = 0; t < tensors.size(); ++t) {
@@ -40,6 +44,7 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
     d.numel = p.numel;
     d.group = p.group;
     d.grad_vec = aligned16(p.grad) ? 1 : 0;
+    d.in_norm = p.in_norm ? 1 : 0;
     d.all_vec = aligned16(p.master) && aligned16(p.grad) && aligned16(p.exp_avg) &&
                         aligned16(p.exp_avg_sq) && (d.model == nullptr || aligned16(d.model))
                     ? 1
@@ -75,6 +80,9 @@ WorkspaceLayout WorkspaceLayout::make(std::size_t n_tensors, std::size_t n_chunk
   w.params = add(n_groups, sizeof(GroupParams), "groups");
   w.lr = add(n_groups, sizeof(float), "groups");
   w.consts = add(n_groups, sizeof(GroupConsts), "groups");
+  w.totals = add(1, sizeof(StepTotals), "records");
+  w.window_hint = add(1, sizeof(std::uint32_t), "hints");
+  w.spill = add(kSumLimbs, sizeof(std::uint64_t), "limbs");
   w.bytes = at;
   return w;
 }

@@ -14,6 +14,7 @@ struct TensorTable {
   std::vector<TensorDesc> tensors;  // one row per ParamTensor, in order
   std::vector<ChunkDesc> chunks;    // every element of every tensor in exactly one chunk
   std::int64_t numel = 0;           // elements over all tensors
+  std::int64_t numel_in_norm = 0;   // elements of the tensors in the norm (ParamTensor::in_norm)
 };
 
 /// Splits every tensor into chunks of kChunkElems elements (the last one shorter), in tensor
@@ -25,7 +26,8 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors);
 /// each 256-byte aligned), and the allocation's size. Throws halfstep::Error if the size does not
 /// fit a size_t.
 struct WorkspaceLayout {
-  std::size_t tensors, chunks, partials, state, report, decision, params, lr, consts, bytes;
+  std::size_t tensors, chunks, partials, state, report, decision, params, lr, consts, totals,
+      window_hint, spill, bytes;
   static WorkspaceLayout make(std::size_t n_tensors, std::size_t n_chunks, std::size_t n_groups);
 };
 

@@ -22,10 +22,16 @@ if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
 fi
 
 # Python's safetensors package (PyPI; Debian has none) for the checkpoint interoperability tests,
-# in a virtual environment at .venv that also sees Debian's numpy and matplotlib.
+# in a virtual environment at .venv that also sees Debian's numpy and matplotlib; and NVIDIA's
+# cuobjdump and nvdisasm (PyPI's nvidia-cuda-cuobjdump and -nvdisasm), with which tools/count_pass1_instructions.py counts
+# the instructions the GPU issues.
 root=$(cd "$(dirname "$0")/.." && pwd)
 if ! "$root/.venv/bin/python" -c "import safetensors, numpy" >/dev/null 2>&1; then
   echo "creating $root/.venv with safetensors"
   /usr/bin/python3 -m venv --system-site-packages "$root/.venv"
   "$root/.venv/bin/pip" install -q --disable-pip-version-check safetensors
+fi
+if ! ls "$root"/.venv/lib/python3*/site-packages/nvidia/*/bin/nvdisasm >/dev/null 2>&1; then
+  "$root/.venv/bin/pip" install -q --disable-pip-version-check nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm ||
+    echo "nvidia-cuda-cuobjdump not installed: instruction counts will be PTX only" >&2
 fi

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "halfstep/distributed.hpp"
 #include "halfstep/step.hpp"
 
 struct CUstream_st;
@@ -56,6 +57,14 @@ class FusedAdamW {
   /// current device, and no two buffers may overlap.
   FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig& config,
              Backend backend = Backend::cuda);
+
+  /// The same, as one rank of a multi-rank step: every step reduces its totals over
+  /// `distributed.comms` (NCCL, on the step's stream) before deciding, so every rank holds the
+  /// same report, decision, scale and counters. `tensors` are this rank's: whole tensors, or
+  /// shards of them cut anywhere (halfstep::shard). Backend::reference takes no communicators; it
+  /// reduces through step_local / step_finish.
+  FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+             const Distributed& distributed, Backend backend = Backend::cuda);
   ~FusedAdamW();
   FusedAdamW(FusedAdamW&&) noexcept;
   FusedAdamW& operator=(FusedAdamW&&) noexcept;
@@ -68,6 +77,24 @@ class FusedAdamW {
   /// write the same workspace: successive steps must be ordered (one stream, or streams joined
   /// by events), as must the work that writes the gradients before a step.
   void step(Stream stream = nullptr);
+
+  /// The first half of a step, for callers that reduce the totals with their own engine: pass 1
+  /// and this rank's StepTotals record at device_totals(), on `stream`. The caller all-reduces
+  /// the record (SUM over `sum`, MAX over `max`, in place, ordered after this call on the
+  /// stream), then calls step_finish. Never blocks; can be captured in a CUDA graph.
+  void step_local(Stream stream = nullptr);
+
+  /// The second half: decides from the (reduced) record at device_totals() and applies the step,
+  /// as step() does after its reduction. Throws unless step_local ran since the last step.
+  void step_finish(Stream stream = nullptr);
+
+  /// The step's StepTotals record: device memory for Backend::cuda, host memory for
+  /// Backend::reference. Written by step_local (and step), read by step_finish.
+  StepTotals* device_totals();
+
+  /// How this optimizer takes part in a multi-rank step (rank 0 and no communicators when built
+  /// without Distributed).
+  const Distributed& distributed() const;
 
   /// The last step's report; waits for that step only. Throws if no step has run.
   StepReport last_report();
@@ -128,6 +155,7 @@ class FusedAdamW {
   Impl& impl() const;  // throws on a moved-from object
   std::unique_ptr<Impl> impl_;
   Backend backend_ = Backend::cuda;
+  Distributed distributed_;
 };
 
 }  // namespace halfstep

@@ -3,6 +3,7 @@
 
 #include "halfstep/checkpoint.hpp"
 #include "halfstep/config.hpp"
+#include "halfstep/distributed.hpp"
 #include "halfstep/error.hpp"
 #include "halfstep/formats.hpp"
 #include "halfstep/reference.hpp"

@@ -34,6 +34,12 @@ struct ParamTensor {
   void* model = nullptr;        ///< reduced-precision copy in StepConfig::model_dtype; may be null
   std::int64_t numel = 0;       ///< elements; >= 0 (zero-length tensors are allowed)
   std::int32_t group = 0;       ///< index into StepConfig::groups
+  /// Counted in the global norm and in the subnormal, zero and element counts. False for a tensor
+  /// that other ranks of the reduction hold too (a bias or norm weight replicated across a
+  /// tensor-parallel group: only one rank should count it). Its inf/NaN still skip the step, its
+  /// largest |gradient| still counts (a maximum is not changed by duplicates), and it is updated
+  /// like any other tensor.
+  bool in_norm = true;
 };
 
 /// Everything that shapes a step.
@@ -95,12 +101,15 @@ struct StepReport {
   double grad_norm;                    ///< unscaled global norm before clipping; NaN on overflow
   float clip_coef;                     ///< factor applied to the gradients (1: none); NaN on overflow
   std::int64_t nonfinite_count;        ///< inf and NaN elements over all tensors
-  std::int32_t first_nonfinite_tensor; ///< index of the first tensor with one; -1 if none
+  std::int32_t first_nonfinite_tensor; ///< index of the first tensor with one (in the tensor list
+                                       ///< of first_nonfinite_rank); -1 if none
+  std::int32_t first_nonfinite_rank;   ///< lowest rank holding one (Distributed::rank; 0 in a
+                                       ///< single-rank step); -1 if none
   float max_abs_scaled;                ///< largest finite |gradient| as stored (scaled)
   float headroom_log2;                 ///< log2(format max / max_abs_scaled); +inf if all zero
-  std::int64_t subnormal_count;        ///< gradient elements stored as subnormals
-  std::int64_t zero_count;             ///< gradient elements stored as ±0
-  std::int64_t numel;                  ///< gradient elements in the step
+  std::int64_t subnormal_count;        ///< gradient elements stored as subnormals (in the norm)
+  std::int64_t zero_count;             ///< gradient elements stored as ±0 (in the norm)
+  std::int64_t numel;                  ///< gradient elements in the norm, over all ranks
   /// Elements of an applied step whose update would have written a value that is not finite —
   /// a master, moment or model copy past its format's range, which pass 1 cannot see (a master
   /// near 3.4e38, a model copy past 65504 in fp16, weight decay on a huge weight). Each keeps

@@ -593,7 +593,8 @@ TEST_CASE("gpu one tensor of 2^31 + 7 elements steps correctly at both ends and 
   // Norm: n - 9 elements of 1.05859375 and the probes.
   double sum_sq = static_cast<double>(n - static_cast<std::int64_t>(probes.size())) * std::pow(from_f16_bits(0x3C3C), 2);
   for (std::uint16_t b : probe_grad) sum_sq += std::pow(from_f16_bits(b), 2);
-  CHECK(std::fabs(r.grad_norm - std::sqrt(sum_sq)) <= norm_rel_tolerance(DType::f16) * std::sqrt(sum_sq));
+  // The device rounds the exact sum once; this double sum rounds a few times more.
+  CHECK(std::fabs(r.grad_norm - std::sqrt(sum_sq)) <= 1e-15 * std::sqrt(sum_sq));
 
   // Every element's first step from zero moments: the reference on a one-element tensor.
   auto expect = [&](std::uint16_t g_bits) {

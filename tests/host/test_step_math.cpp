@@ -12,6 +12,7 @@
 #include "halfstep/error.hpp"
 #include "halfstep/reference.hpp"
 #include "host_buffers.hpp"
+#include "reference_impl.hpp"
 #include "step_math.hpp"
 #include "tensor_table.hpp"
 
@@ -22,41 +23,24 @@ using halfstep_test::random_tensor;
 
 namespace {
 
-// Pass 1's definitions, summed in element order in double.
-Totals host_totals(const std::vector<ParamTensor>& tensors, DType dtype) {
-  Totals t;
-  for (std::size_t k = 0; k < tensors.size(); ++k) {
-    const auto* bits = static_cast<const std::uint16_t*>(tensors[k].grad);
-    for (std::int64_t i = 0; i < tensors[k].numel; ++i) {
-      const BitClass c = classify_bits16(dtype, bits[i]);
-      if (c == BitClass::infinite || c == BitClass::nan) {
-        ++t.nonfinite;
-        if (t.first_nonfinite_tensor < 0) t.first_nonfinite_tensor = static_cast<std::int32_t>(k);
-        continue;
-      }
-      t.zero += c == BitClass::zero;
-      t.subnormal += c == BitClass::subnormal;
-      const double x = from_bits16(dtype, bits[i]);
-      t.sum_sq += x * x;
-      t.max_abs = std::max(t.max_abs, static_cast<float>(std::fabs(x)));
-    }
-  }
-  return t;
+// Pass 1's record as the reference measures it, decoded by the kernels' code (decode_totals).
+Totals host_totals(const std::vector<ParamTensor>& tensors, const StepConfig& c) {
+  return decode_totals(reference_measure(tensors, c, 0, nullptr), c.grad_dtype == DType::bf16);
 }
 
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 // decide() with the groups and learning rates of `c`, as finalize passes them.
-void decide_for(const Totals& totals, DeviceState& state, const StepConfig& c, std::int64_t numel,
-                StepReport& report, Decision& decision, bool device_scaler = true) {
+void decide_for(const Totals& totals, DeviceState& state, const StepConfig& c, StepReport& report,
+                Decision& decision, bool device_scaler = true) {
   std::vector<GroupParams> groups;
   std::vector<float> lr;
   for (const AdamWConfig& h : c.groups) {
     groups.push_back(group_params(h));
     lr.push_back(h.lr);
   }
-  DecideParams p = decide_params(c, numel);
+  DecideParams p = decide_params(c);
   p.device_scaler = device_scaler;
   decide(totals, state, p, groups.data(), lr.data(), static_cast<std::int32_t>(groups.size()), report, decision);
 }
@@ -88,10 +72,10 @@ TEST_CASE("decide reproduces the reference report and state exactly", "[step_mat
     for (auto& t : m.tensors) halfstep_test::refill_grads(rng, t, DType::f16, dev.scaler.scale, sigma);
     if (u(rng) < 0.1) m.tensors[2].grad[static_cast<std::size_t>(step % 200)] = 0x7E00;
     auto views = m.views();
-    const Totals totals = host_totals(views, DType::f16);
+    const Totals totals = host_totals(views, c);
     StepReport mine{};
     Decision decision{};
-    decide_for(totals, dev, c, 238, mine, decision);
+    decide_for(totals, dev, c, mine, decision);
     HostModel copy = m;
     const StepReport r = reference::step(copy.views(), c, ref);
     CAPTURE(step);
@@ -140,7 +124,7 @@ TEST_CASE("decide in host-driven mode leaves the scaler to the host", "[step_mat
   overflow.first_nonfinite_tensor = 1;
   StepReport r{};
   Decision d{};
-  decide_for(overflow, dev, c, 10, r, d, /*device_scaler=*/false);
+  decide_for(overflow, dev, c, r, d, /*device_scaler=*/false);
   CHECK(r.outcome == Outcome::skipped_overflow);
   CHECK(dev.scaler == s.scaler);
   CHECK(r.scale_next == r.scale_used);
@@ -186,7 +170,7 @@ TEST_CASE("the fp32 element update stays within the derived bound of the referen
                             : 1.0;
     StepReport mine{};
     Decision d{};
-    decide_for(host_totals(before.views(), DType::f16), dev, c, 2048, mine, d);
+    decide_for(host_totals(before.views(), c), dev, c, mine, d);
     const GroupConsts k = group_consts(group_params(h), h.lr, dev.step);
     for (std::size_t i = 0; i < t.grad.size(); ++i) {
       float p = before.tensors[0].master[i], mm = before.tensors[0].exp_avg[i], vv = before.tensors[0].exp_avg_sq[i];
@@ -235,7 +219,7 @@ TEST_CASE("the fp32 element update is bitwise scale invariant for power-of-two s
     for (int step = 0; step < 20; ++step) {
       StepReport r{};
       Decision d{};
-      decide_for(host_totals({view}, DType::f16), dev, c, 500, r, d);
+      decide_for(host_totals({view}, c), dev, c, r, d);
       REQUIRE(d.apply == 1);
       const GroupConsts k = group_consts(gp, c.groups[0].lr, dev.step);
       for (std::size_t i = 0; i < 500; ++i) {

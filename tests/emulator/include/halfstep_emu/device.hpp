@@ -264,6 +264,17 @@ inline void __threadfence_block() {}
 
 // Integer intrinsics.
 inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+/// Per 16-bit half, the larger / smaller unsigned value (max.u16x2 / min.u16x2).
+inline unsigned int __vmaxu2(unsigned int a, unsigned int b) {
+  const unsigned lo = (a & 0xFFFFu) > (b & 0xFFFFu) ? (a & 0xFFFFu) : (b & 0xFFFFu);
+  const unsigned hi = (a >> 16) > (b >> 16) ? (a >> 16) : (b >> 16);
+  return (hi << 16) | lo;
+}
+inline unsigned int __vminu2(unsigned int a, unsigned int b) {
+  const unsigned lo = (a & 0xFFFFu) < (b & 0xFFFFu) ? (a & 0xFFFFu) : (b & 0xFFFFu);
+  const unsigned hi = (a >> 16) < (b >> 16) ? (a >> 16) : (b >> 16);
+  return (hi << 16) | lo;
+}
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
 inline int __ffs(int x) { return __builtin_ffs(x); }

@@ -1,0 +1,70 @@
+// halfstep: one step over many ranks. Pass 1 measures each rank's gradients into a StepTotals
+// record; the records are all-reduced (SUM over one part, MAX over the other) so that every rank
+// decides from the same global totals, bit for bit; then each rank applies the step to the
+// tensors it holds. halfstep all-reduces over NCCL communicators the caller created, or the caller
+// reduces the record with its own engine between step_local and step_finish.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "halfstep/formats.hpp"
+
+struct ncclComm;  // NCCL's communicator: ncclComm_t is ncclComm*
+
+namespace halfstep {
+
+/// What pass 1 measured, in a layout any all-reduce can combine: reduce `sum` with SUM and `max`
+/// with MAX, both as unsigned 64-bit integers (ncclUint64, torch.uint64 / torch.int64). Every
+/// field is an integer, so the reduced record is bitwise the same whatever the order and grouping
+/// of the reduction.
+///
+///   sum[0..18]  Σg² of the scaled gradients, exactly: base-2^32 digits, least significant first,
+///               in units of 2^-266 (every fp16/bf16 square is an integer multiple of it). One
+///               rank's digits are each below 2^32, so 2^31 ranks cannot overflow a word.
+///   sum[19]     inf and NaN gradient elements
+///   sum[20]     subnormal gradient elements (of tensors in the norm)
+///   sum[21]     zero gradient elements (of tensors in the norm)
+///   sum[22]     gradient elements of tensors in the norm
+///   max[0]      the largest finite |gradient| as stored (scaled), as its 16-bit pattern
+///   max[1]      the first inf/NaN: (0xFFFFFFFF - rank) << 32 | (0xFFFFFFFF - tensor), 0 if none
+///               (the largest key is the lowest rank, then the lowest tensor index)
+struct StepTotals {
+  static constexpr int kSumLimbs = 19;
+  static constexpr int kSumWords = 23;
+  static constexpr int kMaxWords = 2;
+  std::uint64_t sum[kSumWords];
+  std::uint64_t max[kMaxWords];
+};
+static_assert(sizeof(StepTotals) == 200, "StepTotals has a documented layout");
+
+/// Combines `other` into `into` as the all-reduce does: SUM over `sum`, MAX over `max`.
+void combine(StepTotals& into, const StepTotals& other);
+
+/// What a (reduced) record says, decoded.
+struct TotalsSummary {
+  double sum_sq;                        ///< Σg² of the scaled gradients, rounded once to nearest
+  float max_abs;                        ///< largest finite |gradient| as stored (scaled)
+  std::int64_t nonfinite, subnormal, zero, numel;
+  std::int32_t first_nonfinite_rank;    ///< -1 if none
+  std::int32_t first_nonfinite_tensor;  ///< index in that rank's tensor list; -1 if none
+};
+
+/// Decodes a record of gradients in `grad_dtype` (f16 or bf16). Throws halfstep::Error if a word
+/// could not have come from a reduction of halfstep records.
+TotalsSummary summarize(const StepTotals& totals, DType grad_dtype);
+
+/// How a FusedAdamW takes part in a multi-rank step.
+struct Distributed {
+  /// This rank's identity in reports (StepReport::first_nonfinite_rank): unique among all the
+  /// ranks the record is reduced over, in [0, 2^31 - 1).
+  std::int32_t rank = 0;
+  /// NCCL communicators step() all-reduces the record over, in order, on the step's stream (for
+  /// data parallelism with sharded optimizer state, the data-parallel group; with tensor
+  /// parallelism as well, both groups: the reduction then covers every rank of their product).
+  /// Each must belong to the current device. Empty: step() reduces nothing, and a caller with
+  /// another engine reduces the record itself between step_local and step_finish.
+  std::vector<ncclComm*> comms;
+};
+
+}  // namespace halfstep
