@@ -2,6 +2,7 @@
 // every rank decide from the same totals.
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -53,6 +54,50 @@ TotalsSummary summarize(const StepTotals& totals, DType grad_dtype) {
   s.first_nonfinite_rank = t.first_nonfinite_rank;
   s.first_nonfinite_tensor = t.first_nonfinite_tensor;
   return s;
+}
+
+Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
+            const ParamTensor& flat) {
+  std::int64_t total = 0;
+  for (std::size_t t = 0; t < layout.size(); ++t) {
+    detail::require(layout[t].numel >= 0, "layout[", t, "].numel must be >= 0, got ", layout[t].numel);
+    detail::require(total <= std::numeric_limits<std::int64_t>::max() - layout[t].numel,
+                    "layout: the tensors hold more than 2^63 - 1 elements");
+    total += layout[t].numel;
+  }
+  detail::require(begin >= 0 && begin <= end && end <= total, "the shard [", begin, ", ", end,
+                  ") must lie in the parameter space [0, ", total, ")");
+  detail::require(flat.numel == end - begin, "flat.numel must be end - begin = ", end - begin,
+                  ", got ", flat.numel);
+  Shard s;
+  std::int64_t at = 0;  // where tensor t starts in the flat space
+  for (std::size_t t = 0; t < layout.size(); ++t) {
+    const std::int64_t lo = std::max(at, begin), hi = std::min(at + layout[t].numel, end);
+    if (lo < hi) {
+      const std::int64_t into_flat = lo - begin;
+      ParamTensor p = layout[t];
+      p.master = flat.master + into_flat;
+      p.grad = static_cast<const std::uint16_t*>(flat.grad) + into_flat;
+      p.exp_avg = flat.exp_avg + into_flat;
+      p.exp_avg_sq = flat.exp_avg_sq + into_flat;
+      p.model = flat.model != nullptr ? static_cast<std::uint16_t*>(flat.model) + into_flat : nullptr;
+      p.numel = hi - lo;
+      s.tensors.push_back(p);
+      s.source.push_back(static_cast<std::int32_t>(t));
+      s.offset.push_back(lo - at);
+    }
+    at += layout[t].numel;
+  }
+  return s;
+}
+
+std::pair<std::int64_t, std::int64_t> even_shard(std::int64_t numel, std::int32_t ranks, std::int32_t rank) {
+  detail::require(numel >= 0, "numel must be >= 0, got ", numel);
+  detail::require(ranks >= 1, "ranks must be >= 1, got ", ranks);
+  detail::require(rank >= 0 && rank < ranks, "rank must be in [0, ", ranks, "), got ", rank);
+  const std::int64_t base = numel / ranks, extra = numel % ranks;
+  const std::int64_t begin = rank * base + std::min<std::int64_t>(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
 }
 
 namespace detail {

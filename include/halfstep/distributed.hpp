@@ -6,9 +6,11 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "halfstep/formats.hpp"
+#include "halfstep/step.hpp"
 
 struct ncclComm;  // NCCL's communicator: ncclComm_t is ncclComm*
 
@@ -66,5 +68,27 @@ struct Distributed {
   /// another engine reduces the record itself between step_local and step_finish.
   std::vector<ncclComm*> comms;
 };
+
+/// One rank's part of a flat parameter space (ZeRO-1/2 sharding of the optimizer state).
+struct Shard {
+  std::vector<ParamTensor> tensors;  ///< one per tensor that overlaps the range, pointing into the
+                                     ///< flat buffers: what this rank's FusedAdamW is built on
+  std::vector<std::int32_t> source;  ///< for each, its index in the layout
+  std::vector<std::int64_t> offset;  ///< for each, the element of its source tensor it starts at
+};
+
+/// Cuts the flat parameter space made of the tensors of `layout` laid end to end (only numel,
+/// group and in_norm are read) at [begin, end), which may fall anywhere inside tensors. `flat`
+/// holds this rank's five buffers for exactly that range (flat.numel == end - begin, 16-bit
+/// gradients and model copy, the rest fp32, flat.model may be null) — e.g. the output of a
+/// reduce-scatter of the flat gradients, and the rank's slices of the masters and moments.
+/// Tensors of zero elements belong to no shard. Throws halfstep::Error on a range outside the
+/// space or a flat buffer of another size.
+Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
+            const ParamTensor& flat);
+
+/// The range [begin, end) rank `rank` of `ranks` holds when `numel` elements are split in order,
+/// as evenly as possible (the first numel % ranks ranks hold one more).
+std::pair<std::int64_t, std::int64_t> even_shard(std::int64_t numel, std::int32_t ranks, std::int32_t rank);
 
 }  // namespace halfstep

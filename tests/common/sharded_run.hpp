@@ -1,0 +1,161 @@
+// Test helper: one flat parameter space, stepped unsharded on one rank and sharded over N ranks,
+// with the gradients of every step drawn in advance (so ranks that run as threads only read them).
+// Shared by the host tests (reference backend, records reduced by HostAllReduce) and the GPU
+// suite (cuda backend, records reduced by NCCL).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "halfstep/distributed.hpp"
+#include "halfstep/formats.hpp"
+#include "halfstep/step.hpp"
+
+namespace halfstep_test {
+
+/// The five buffers of a flat range of the parameter space, on the host.
+struct FlatBuffers {
+  std::vector<float> master, exp_avg, exp_avg_sq;
+  std::vector<std::uint16_t> grad, model;
+  halfstep::ParamTensor view() {
+    halfstep::ParamTensor p;
+    p.master = master.data();
+    p.grad = grad.data();
+    p.exp_avg = exp_avg.data();
+    p.exp_avg_sq = exp_avg_sq.data();
+    p.model = model.data();
+    p.numel = static_cast<std::int64_t>(master.size());
+    return p;
+  }
+  /// Elements [begin, end).
+  FlatBuffers slice(std::int64_t begin, std::int64_t end) const {
+    auto cut = [&](const auto& v) {
+      return std::decay_t<decltype(v)>(v.begin() + begin, v.begin() + end);
+    };
+    return FlatBuffers{cut(master), cut(exp_avg), cut(exp_avg_sq), cut(grad), cut(model)};
+  }
+  bool operator==(const FlatBuffers& o) const {
+    auto same = [](const auto& a, const auto& b) {
+      return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
+    };
+    return same(master, o.master) && same(exp_avg, o.exp_avg) && same(exp_avg_sq, o.exp_avg_sq) &&
+           same(grad, o.grad) && same(model, o.model);
+  }
+};
+
+/// A parameter space: tensor sizes and groups, the initial buffers, and the gradients of every
+/// step (inf on one element now and then, a 100x spike now and then).
+struct ShardedCase {
+  std::vector<halfstep::ParamTensor> layout;  // numel, group and in_norm only
+  FlatBuffers initial;
+  std::vector<std::vector<std::uint16_t>> grads;  // per step, the whole flat space
+  halfstep::StepConfig config;
+
+  std::int64_t numel() const { return static_cast<std::int64_t>(initial.master.size()); }
+
+  static ShardedCase make(std::uint64_t seed, halfstep::DType dtype, int steps, std::int64_t max_tensor) {
+    std::mt19937_64 rng(seed);
+    ShardedCase c;
+    c.config.grad_dtype = dtype;
+    c.config.model_dtype = dtype;
+    c.config.groups.resize(2);
+    c.config.groups[1].lr = 3e-3f;
+    c.config.groups[1].weight_decay = 0.1f;
+    c.config.max_grad_norm = 0.3f;
+    c.config.scaler.init_scale = dtype == halfstep::DType::f16 ? 1024.0f : 1.0f;
+    c.config.scaler.growth_interval = 60;
+    c.config.scaler.hysteresis = 2;
+    c.config.spike.enabled = true;
+    c.config.spike.warmup_steps = 10;
+    c.config.spike.z_threshold = 4.0f;
+    c.config.spike.action = halfstep::SpikeConfig::Action::skip;
+    const int n_tensors = 3 + static_cast<int>(rng() % 8);
+    std::int64_t total = 0;
+    for (int t = 0; t < n_tensors; ++t) {
+      halfstep::ParamTensor p;
+      p.numel = t == 2 ? 0 : static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(max_tensor)) + 1;
+      p.group = static_cast<std::int32_t>(rng() % 2);
+      c.layout.push_back(p);
+      total += p.numel;
+    }
+    std::uniform_real_distribution<float> w(-1.0f, 1.0f);
+    std::normal_distribution<double> g(0.0, 1e-2);
+    const auto n = static_cast<std::size_t>(total);
+    c.initial.master.resize(n);
+    c.initial.exp_avg.assign(n, 0.0f);
+    c.initial.exp_avg_sq.assign(n, 0.0f);
+    c.initial.grad.assign(n, 0);
+    c.initial.model.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      c.initial.master[i] = w(rng);
+      c.initial.model[i] = halfstep::to_bits16(dtype, c.initial.master[i]);
+    }
+    // Gradients as a scaled loss at the initial scale would give them (the scale the run then
+    // has differs by a few powers of two, which the spike statistics absorb).
+    for (int s = 0; s < steps; ++s) {
+      std::vector<std::uint16_t> step(n);
+      const double spike = s >= 20 && s % 25 == 5 ? 100.0 : 1.0;  // after the warm-up
+      const double scale = c.config.scaler.init_scale;
+      for (auto& x : step) x = halfstep::to_bits16(dtype, g(rng) * spike * scale);
+      if (n > 0 && rng() % 17 == 0) step[rng() % n] = dtype == halfstep::DType::f16 ? 0x7C00 : 0xFF80;
+      c.grads.push_back(std::move(step));
+    }
+    return c;
+  }
+
+  /// The whole space as tensors pointing into `flat`, one per layout entry (empty ones too, so
+  /// tensor indices are the layout's).
+  std::vector<halfstep::ParamTensor> whole(FlatBuffers& flat) const {
+    std::vector<halfstep::ParamTensor> out;
+    std::int64_t at = 0;
+    for (const halfstep::ParamTensor& t : layout) {
+      halfstep::ParamTensor p = t;
+      p.master = flat.master.data() + at;
+      p.grad = flat.grad.data() + at;
+      p.exp_avg = flat.exp_avg.data() + at;
+      p.exp_avg_sq = flat.exp_avg_sq.data() + at;
+      p.model = flat.model.data() + at;
+      out.push_back(p);
+      at += t.numel;
+    }
+    return out;
+  }
+
+  /// N ranges that cut the space anywhere (some empty when N is large), from `seed`.
+  std::vector<std::pair<std::int64_t, std::int64_t>> random_cuts(int ranks, std::uint64_t seed) const {
+    std::mt19937_64 rng(seed);
+    std::vector<std::int64_t> cuts(static_cast<std::size_t>(ranks - 1));
+    for (auto& x : cuts) x = static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(numel() + 1));
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<std::pair<std::int64_t, std::int64_t>> out;
+    std::int64_t at = 0;
+    for (std::int64_t c : cuts) {
+      out.emplace_back(at, c);
+      at = c;
+    }
+    out.emplace_back(at, numel());
+    return out;
+  }
+};
+
+/// Field-by-field, bitwise equality of two reports of the same step, the first inf/NaN compared
+/// as (global tensor) through `map` (rank, local tensor) -> global tensor. held_elements is each
+/// rank's own count (pass 2 is local), so it is not compared here.
+template <class Map>
+bool same_report(const halfstep::StepReport& a, const halfstep::StepReport& unsharded, Map map) {
+  auto bits = [](const auto& x, const auto& y) { return std::memcmp(&x, &y, sizeof x) == 0; };
+  const std::int32_t first = a.first_nonfinite_tensor < 0 ? -1 : map(a.first_nonfinite_rank, a.first_nonfinite_tensor);
+  return a.attempt == unsharded.attempt && a.step == unsharded.step && a.outcome == unsharded.outcome &&
+         a.reason == unsharded.reason && a.spike == unsharded.spike && bits(a.scale_used, unsharded.scale_used) &&
+         bits(a.scale_next, unsharded.scale_next) && bits(a.grad_norm, unsharded.grad_norm) &&
+         bits(a.clip_coef, unsharded.clip_coef) && a.nonfinite_count == unsharded.nonfinite_count &&
+         first == unsharded.first_nonfinite_tensor && bits(a.max_abs_scaled, unsharded.max_abs_scaled) &&
+         bits(a.headroom_log2, unsharded.headroom_log2) && a.subnormal_count == unsharded.subnormal_count &&
+         a.zero_count == unsharded.zero_count && a.numel == unsharded.numel;
+}
+
+}  // namespace halfstep_test

@@ -1,0 +1,239 @@
+// Many ranks on the device, through NCCL: each rank a thread with its own communicator, stream and
+// shard of the flat parameter space (cut at random offsets), the optimizer reducing its StepTotals
+// record over the communicator on the step's stream. Every rank must hold the report an unsharded
+// single-rank run holds, bit for bit, and the union of the shards its buffers. On the emulated
+// device the ranks share the one device and NCCL is the emulator's stand-in; on GPUs each rank
+// needs a GPU of its own, so the multi-rank cases run where there are at least two.
+#include <catch2/catch.hpp>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "gpu_support.hpp"
+#include "ranks.hpp"
+#include "sharded_run.hpp"
+
+using namespace halfstep;
+using namespace halfstep_test;
+
+namespace {
+
+// Checks for rank threads, where Catch's assertions may not run.
+void must(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+void must(ncclResult_t e, const char* what) {
+  if (e != ncclSuccess) throw std::runtime_error(std::string(what) + ": " + ncclGetErrorString(e));
+}
+
+// Ranks this machine can run: every rank on the emulated device, else one GPU each.
+int rank_capacity() {
+#if defined(HALFSTEP_EMULATED)
+  return 64;
+#else
+  int devices = 0;
+  return cudaGetDeviceCount(&devices) == cudaSuccess ? devices : 0;
+#endif
+}
+int device_of(int rank) {
+#if defined(HALFSTEP_EMULATED)
+  (void)rank;
+  return 0;
+#else
+  return rank;
+#endif
+}
+
+// One device allocation, freed on scope exit; thread-safe checks.
+template <class T>
+struct Buffer {
+  T* ptr = nullptr;
+  std::size_t n = 0;
+  explicit Buffer(const std::vector<T>& host) : n(host.size()) {
+    must(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<std::size_t>(n, 1) * sizeof(T)), "cudaMalloc");
+    put(host);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { cudaFree(ptr); }
+  void put(const std::vector<T>& host) {
+    if (n) must(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), "upload");
+    // A copy from pageable memory may return before it lands, and the ranks' non-blocking
+    // streams do not wait for the legacy stream it used.
+    must(cudaStreamSynchronize(cudaStreamLegacy), "upload");
+  }
+  void get(std::vector<T>& host) const {
+    host.resize(n);
+    if (n) must(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
+  }
+};
+
+// A rank's flat buffers on the device.
+struct DeviceFlat {
+  Buffer<float> master, exp_avg, exp_avg_sq;
+  Buffer<std::uint16_t> grad, model;
+  explicit DeviceFlat(const FlatBuffers& h)
+      : master(h.master), exp_avg(h.exp_avg), exp_avg_sq(h.exp_avg_sq), grad(h.grad), model(h.model) {}
+  ParamTensor view() {
+    ParamTensor p;
+    p.master = master.ptr;
+    p.grad = grad.ptr;
+    p.exp_avg = exp_avg.ptr;
+    p.exp_avg_sq = exp_avg_sq.ptr;
+    p.model = model.ptr;
+    p.numel = static_cast<std::int64_t>(master.n);
+    return p;
+  }
+  FlatBuffers download() const {
+    FlatBuffers h;
+    master.get(h.master);
+    exp_avg.get(h.exp_avg);
+    exp_avg_sq.get(h.exp_avg_sq);
+    grad.get(h.grad);
+    model.get(h.model);
+    return h;
+  }
+};
+
+struct RankRun {
+  std::vector<StepReport> reports;
+  FlatBuffers buffers;
+  std::vector<std::int32_t> source;
+};
+
+enum class Reduce { communicator, caller };
+
+// Steps `c` on `ranges.size()` ranks: the optimizer reduces over its communicator, or (Reduce::
+// caller) the caller reduces the record itself with NCCL between step_local and step_finish.
+std::vector<RankRun> run_ranks_nccl(const ShardedCase& c, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges,
+                                    Reduce how) {
+  const int n = static_cast<int>(ranges.size());
+  ncclUniqueId id;
+  must(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  std::vector<RankRun> out(static_cast<std::size_t>(n));
+  run_ranks(n, [&](int r) {
+    must(cudaSetDevice(device_of(r)), "cudaSetDevice");
+    ncclComm_t comm = nullptr;
+    must(ncclCommInitRank(&comm, n, id, r), "ncclCommInitRank");
+    cudaStream_t stream = nullptr;
+    must(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    {
+      const auto [begin, end] = ranges[static_cast<std::size_t>(r)];
+      DeviceFlat flat(c.initial.slice(begin, end));
+      const Shard s = shard(c.layout, begin, end, flat.view());
+      Distributed dist{r, {}};
+      if (how == Reduce::communicator) dist.comms.push_back(comm);
+      FusedAdamW opt(s.tensors, c.config, dist);
+      RankRun& me = out[static_cast<std::size_t>(r)];
+      me.source = s.source;
+      std::vector<std::uint16_t> g(static_cast<std::size_t>(end - begin));
+      for (const auto& step : c.grads) {
+        std::copy(step.begin() + begin, step.begin() + end, g.begin());
+        flat.grad.put(g);
+        if (how == Reduce::communicator) {
+          opt.step(stream);
+        } else {  // what a caller with its own engine does, here with NCCL too
+          opt.step_local(stream);
+          StepTotals* t = opt.device_totals();
+          must(ncclGroupStart(), "ncclGroupStart");
+          must(ncclAllReduce(t->sum, t->sum, StepTotals::kSumWords, ncclUint64, ncclSum, comm, stream), "sum");
+          must(ncclAllReduce(t->max, t->max, StepTotals::kMaxWords, ncclUint64, ncclMax, comm, stream), "max");
+          must(ncclGroupEnd(), "ncclGroupEnd");
+          opt.step_finish(stream);
+        }
+        me.reports.push_back(opt.last_report());
+      }
+      must(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      me.buffers = flat.download();
+    }
+    cudaStreamDestroy(stream);
+    ncclCommDestroy(comm);
+  });
+  return out;
+}
+
+// The same case unsharded, on one rank without a communicator.
+std::pair<std::vector<StepReport>, FlatBuffers> run_one(const ShardedCase& c) {
+  DeviceFlat flat(c.initial);
+  FlatBuffers host = c.initial;
+  std::vector<ParamTensor> whole = c.whole(host);
+  // Point the views at the device copy (same offsets).
+  for (ParamTensor& p : whole) {
+    const std::ptrdiff_t at = p.master - host.master.data();
+    p.master = flat.master.ptr + at;
+    p.grad = flat.grad.ptr + at;
+    p.exp_avg = flat.exp_avg.ptr + at;
+    p.exp_avg_sq = flat.exp_avg_sq.ptr + at;
+    p.model = flat.model.ptr + at;
+  }
+  FusedAdamW opt(whole, c.config);
+  std::vector<StepReport> reports;
+  for (const auto& step : c.grads) {
+    flat.grad.put(step);
+    opt.step();
+    reports.push_back(opt.last_report());
+  }
+  return {reports, flat.download()};
+}
+
+void check_against_one(const ShardedCase& c, const std::vector<RankRun>& ranks,
+                       const std::pair<std::vector<StepReport>, FlatBuffers>& one) {
+  for (std::size_t s = 0; s < c.grads.size(); ++s) {
+    for (std::size_t r = 0; r < ranks.size(); ++r) {
+      auto map = [&](std::int32_t rank, std::int32_t local) {
+        return ranks[static_cast<std::size_t>(rank)].source[static_cast<std::size_t>(local)];
+      };
+      CAPTURE(s, r);
+      REQUIRE(same_report(ranks[r].reports[s], one.first[s], map));
+    }
+  }
+  FlatBuffers joined;
+  for (const RankRun& me : ranks) {
+    auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
+    append(joined.master, me.buffers.master);
+    append(joined.exp_avg, me.buffers.exp_avg);
+    append(joined.exp_avg_sq, me.buffers.exp_avg_sq);
+    append(joined.grad, me.buffers.grad);
+    append(joined.model, me.buffers.model);
+  }
+  REQUIRE(joined == one.second);
+}
+
+}  // namespace
+
+TEST_CASE("gpu a one-rank NCCL communicator steps bitwise like no communicator", "[gpu][distributed][nccl]") {
+  const ShardedCase c = ShardedCase::make(1100, DType::f16, 40, 3000);
+  const auto one = run_one(c);
+  check_against_one(c, run_ranks_nccl(c, {{0, c.numel()}}, Reduce::communicator), one);
+  check_against_one(c, run_ranks_nccl(c, {{0, c.numel()}}, Reduce::caller), one);
+}
+
+TEST_CASE("gpu N ranks over NCCL with sharded state step bitwise like one rank", "[gpu][distributed][nccl][multi_gpu]") {
+  const int capacity = rank_capacity();
+  if (capacity < 2) {
+    skip_test("multi-rank NCCL needs at least two GPUs (found " + std::to_string(capacity) + ")");
+    return;
+  }
+  const int steps = reduced_sizes() ? 40 : 200;
+  int ran = 0;
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    for (const int n : {2, 3, 4, 7}) {
+      if (n > capacity) continue;
+      const std::uint64_t seed = 1200 + static_cast<std::uint64_t>(n) + (dtype == DType::bf16 ? 50u : 0u);
+      const ShardedCase c = ShardedCase::make(seed, dtype, steps, 900);
+      CAPTURE(dtype_name(dtype), n);
+      const auto one = run_one(c);
+      check_against_one(c, run_ranks_nccl(c, c.random_cuts(n, seed + 1), Reduce::communicator), one);
+      ++ran;
+    }
+  }
+  // The split step, reduced by the caller over NCCL, on even shards.
+  const int n = std::min(capacity, 3);
+  const ShardedCase c = ShardedCase::make(1300, DType::f16, steps / 4, 900);
+  std::vector<std::pair<std::int64_t, std::int64_t>> even;
+  for (int r = 0; r < n; ++r) even.push_back(even_shard(c.numel(), n, r));
+  check_against_one(c, run_ranks_nccl(c, even, Reduce::caller), run_one(c));
+  CHECK(ran >= 1);
+}

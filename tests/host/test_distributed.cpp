@@ -1,0 +1,180 @@
+// Many ranks on the CPU: N ranks as threads, each a FusedAdamW on the reference backend holding a
+// shard of the flat parameter space cut at random offsets, their StepTotals records reduced in a
+// random order each step. Every rank must hold bitwise the report a single unsharded rank holds,
+// and the union of the shards must be bitwise the unsharded state, step after step.
+#include <catch2/catch.hpp>
+
+#include <random>
+
+#include "halfstep/error.hpp"
+#include "halfstep/fused_adamw.hpp"
+#include "ranks.hpp"
+#include "sharded_run.hpp"
+
+using namespace halfstep;
+using namespace halfstep_test;
+
+namespace {
+
+struct RankResult {
+  std::vector<StepReport> reports;
+  FlatBuffers buffers;
+  Shard shard;
+};
+
+// Runs `c` unsharded and over the given ranges; returns the unsharded reports and buffers and
+// each rank's.
+std::pair<std::pair<std::vector<StepReport>, FlatBuffers>, std::vector<RankResult>> run(
+    const ShardedCase& c, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges, std::uint64_t seed) {
+  FlatBuffers whole = c.initial;
+  FusedAdamW one(c.whole(whole), c.config, Backend::reference);
+  std::vector<StepReport> reports;
+  for (const auto& g : c.grads) {
+    whole.grad = g;
+    one.step();
+    reports.push_back(one.last_report());
+  }
+  const int n = static_cast<int>(ranges.size());
+  std::vector<RankResult> ranks(static_cast<std::size_t>(n));
+  HostAllReduce reduce(n, seed);
+  run_ranks(n, [&](int r) {
+    RankResult& me = ranks[static_cast<std::size_t>(r)];
+    const auto [begin, end] = ranges[static_cast<std::size_t>(r)];
+    me.buffers = c.initial.slice(begin, end);
+    me.shard = shard(c.layout, begin, end, me.buffers.view());
+    FusedAdamW opt(me.shard.tensors, c.config, Distributed{r, {}}, Backend::reference);
+    for (const auto& g : c.grads) {
+      std::copy(g.begin() + begin, g.begin() + end, me.buffers.grad.begin());
+      opt.step_local();
+      reduce.all_reduce(r, *opt.device_totals());
+      opt.step_finish();
+      me.reports.push_back(opt.last_report());
+    }
+  });
+  return {{reports, whole}, ranks};
+}
+
+}  // namespace
+
+TEST_CASE("N ranks with sharded state step bitwise like one rank for 200 steps", "[distributed]") {
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    for (const int n : {1, 2, 3, 4, 7}) {
+      const std::uint64_t seed = 900 + static_cast<std::uint64_t>(n) + (dtype == DType::bf16 ? 50u : 0u);
+      const ShardedCase c = ShardedCase::make(seed, dtype, 200, 900);
+      const auto ranges = c.random_cuts(n, seed + 1);
+      const auto [one, ranks] = run(c, ranges, seed + 2);
+      CAPTURE(dtype_name(dtype), n);
+      int overflows = 0, spikes = 0, applied = 0, clipped = 0;
+      for (std::size_t s = 0; s < c.grads.size(); ++s) {
+        const StepReport& want = one.first[s];
+        overflows += want.outcome == Outcome::skipped_overflow;
+        spikes += want.outcome == Outcome::skipped_spike;
+        applied += want.outcome == Outcome::applied;
+        clipped += want.outcome == Outcome::applied && want.clip_coef < 1.0f;
+        for (int r = 0; r < n; ++r) {
+          const RankResult& me = ranks[static_cast<std::size_t>(r)];
+          auto map = [&](std::int32_t rank, std::int32_t local) {
+            return ranks[static_cast<std::size_t>(rank)].shard.source[static_cast<std::size_t>(local)];
+          };
+          CAPTURE(s, r);
+          const StepReport& got = me.reports[s];
+          if (!same_report(got, want, map)) {
+            CAPTURE(got.outcome, want.outcome, got.grad_norm, want.grad_norm, got.attempt, want.attempt);
+            CAPTURE(got.first_nonfinite_tensor, got.first_nonfinite_rank, want.first_nonfinite_tensor);
+            CAPTURE(got.max_abs_scaled, want.max_abs_scaled, got.numel, want.numel, got.zero_count, want.zero_count);
+            CAPTURE(got.scale_used, want.scale_used, got.scale_next, want.scale_next, got.nonfinite_count, want.nonfinite_count);
+            FAIL("reports differ");
+          }
+        }
+      }
+      // The union of the shards is the unsharded state, bit for bit.
+      FlatBuffers joined;
+      for (const RankResult& me : ranks) {
+        auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
+        append(joined.master, me.buffers.master);
+        append(joined.exp_avg, me.buffers.exp_avg);
+        append(joined.exp_avg_sq, me.buffers.exp_avg_sq);
+        append(joined.grad, me.buffers.grad);
+        append(joined.model, me.buffers.model);
+      }
+      CHECK(joined == one.second);
+      CHECK(overflows >= 3);
+      CHECK(spikes >= 1);
+      CHECK(clipped >= 10);
+      CHECK(applied >= 100);
+    }
+  }
+}
+
+TEST_CASE("inf on one rank only: every rank skips with the same report naming that rank", "[distributed]") {
+  const ShardedCase base = ShardedCase::make(950, DType::f16, 1, 5000);
+  ShardedCase c = base;
+  const auto ranges = c.random_cuts(4, 951);
+  // The inf in the third rank's range (the lowest rank holding one is named).
+  const std::int64_t at = (ranges[2].first + ranges[2].second) / 2;
+  REQUIRE(ranges[2].first < ranges[2].second);
+  std::fill(c.grads[0].begin(), c.grads[0].end(), std::uint16_t{0x3C00});
+  c.grads[0][static_cast<std::size_t>(at)] = 0xFE00;  // NaN
+  const auto [one, ranks] = run(c, ranges, 952);
+  for (std::size_t k = 0; k < ranks.size(); ++k) {
+    const StepReport& r = ranks[k].reports[0];
+    CHECK(r.outcome == Outcome::skipped_overflow);
+    CHECK(r.nonfinite_count == 1);
+    CHECK(r.first_nonfinite_rank == 2);
+    CHECK(ranks[2].shard.source[static_cast<std::size_t>(r.first_nonfinite_tensor)] == one.first[0].first_nonfinite_tensor);
+    FlatBuffers untouched = c.initial.slice(ranges[k].first, ranges[k].second);
+    untouched.grad = ranks[k].buffers.grad;
+    CHECK(ranks[k].buffers == untouched);  // nothing written on any rank
+  }
+}
+
+TEST_CASE("shard cuts tensors anywhere and names where each piece came from", "[distributed][validate]") {
+  std::vector<ParamTensor> layout(3);
+  layout[0].numel = 10;
+  layout[1].numel = 0;
+  layout[2].numel = 5;
+  layout[2].group = 1;
+  layout[2].in_norm = false;
+  FlatBuffers flat = ShardedCase::make(1, DType::f16, 0, 2).initial;  // any buffers of 15 elements
+  flat.master.assign(7, 0.0f);
+  flat.exp_avg.assign(7, 0.0f);
+  flat.exp_avg_sq.assign(7, 0.0f);
+  flat.grad.assign(7, 0);
+  flat.model.assign(7, 0);
+  const Shard s = shard(layout, 6, 13, flat.view());
+  REQUIRE(s.tensors.size() == 2);
+  CHECK(s.source == std::vector<std::int32_t>{0, 2});
+  CHECK(s.offset == std::vector<std::int64_t>{6, 0});
+  CHECK(s.tensors[0].numel == 4);
+  CHECK(s.tensors[1].numel == 3);
+  CHECK(s.tensors[1].master == flat.master.data() + 4);
+  CHECK(s.tensors[1].grad == flat.grad.data() + 4);
+  CHECK(s.tensors[1].group == 1);
+  CHECK_FALSE(s.tensors[1].in_norm);
+  CHECK_THROWS_WITH(shard(layout, 6, 16, flat.view()), Catch::Contains("must lie in the parameter space"));
+  CHECK_THROWS_WITH(shard(layout, 6, 12, flat.view()), Catch::Contains("flat.numel must be end - begin = 6"));
+  CHECK(even_shard(10, 3, 0) == std::make_pair<std::int64_t, std::int64_t>(0, 4));
+  CHECK(even_shard(10, 3, 2) == std::make_pair<std::int64_t, std::int64_t>(7, 10));
+  CHECK_THROWS_WITH(even_shard(10, 3, 3), Catch::Contains("rank must be in [0, 3)"));
+}
+
+TEST_CASE("the split step refuses calls out of order and the reference backend refuses communicators", "[distributed][validate]") {
+  ShardedCase c = ShardedCase::make(960, DType::f16, 1, 100);
+  FlatBuffers flat = c.initial;
+  FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
+  CHECK_THROWS_WITH(opt.step_finish(), Catch::Contains("no step_local"));
+  opt.step_local();
+  CHECK_THROWS_WITH(opt.step_local(), Catch::Contains("step_finish must end that step first"));
+  CHECK_THROWS_WITH(opt.step(), Catch::Contains("step_finish must end that step first"));
+  opt.step_finish();
+  CHECK(opt.last_report().attempt == 1);
+  CHECK_THROWS_WITH(FusedAdamW(c.whole(flat), c.config, Distributed{-1, {}}, Backend::reference),
+                    Catch::Contains("Distributed.rank must be in [0, 2^31 - 1)"));
+  auto* fake = reinterpret_cast<ncclComm*>(&flat);
+  CHECK_THROWS_WITH(FusedAdamW(c.whole(flat), c.config, Distributed{0, {fake}}, Backend::reference),
+                    Catch::Contains("Backend::reference takes no NCCL communicators"));
+  CHECK_THROWS_WITH(FusedAdamW(c.whole(flat), c.config, Distributed{0, {nullptr}}, Backend::reference),
+                    Catch::Contains("Distributed.comms[0] is null"));
+  CHECK_THROWS_WITH(FusedAdamW(c.whole(flat), c.config, Distributed{0, {fake, fake}}, Backend::reference),
+                    Catch::Contains("repeats comms[0]"));
+}
