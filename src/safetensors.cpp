@@ -36,29 +36,54 @@ struct Part {
   std::size_t bytes;
   std::int64_t numel;
   bool optional;       // a model copy: may be missing from a file
+  std::int64_t offset = 0;  // loading a shard: the first element of the stored tensor it takes
+  std::size_t elem = 0;     // bytes per element
+  bool slice = false;       // loading a shard: the stored tensor may be longer
 };
 
 const char* dtype_code(DType d) { return d == DType::bf16 ? "BF16" : "F16"; }
 
-std::vector<Part> parts_of(const FusedAdamW& opt, const std::vector<std::string>& names, bool include_model) {
+// The stored parts of each of opt's tensors. With a shard, tensor t is elements [offset[t], ...)
+// of the stored tensor names[source[t]], and pieces of one stored tensor may repeat its name.
+std::vector<Part> parts_of(const FusedAdamW& opt, const std::vector<std::string>& names, bool include_model,
+                           const Shard* shard = nullptr) {
   const std::vector<ParamTensor>& tensors = opt.tensors();
-  require(names.size() == tensors.size(), "names must hold one name per tensor (", tensors.size(),
-          "), got ", names.size());
+  if (shard != nullptr) {
+    require(shard->tensors.size() == tensors.size() && shard->source.size() == tensors.size() &&
+                shard->offset.size() == tensors.size(),
+            "the shard describes ", shard->tensors.size(), " tensors; this optimizer has ", tensors.size());
+  } else {
+    require(names.size() == tensors.size(), "names must hold one name per tensor (", tensors.size(),
+            "), got ", names.size());
+  }
   std::vector<Part> parts;
   std::set<std::string> seen;
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     const ParamTensor& p = tensors[t];
-    require(!names[t].empty(), "names[", t, "] is empty");
+    std::size_t name_index = t;
+    std::int64_t offset = 0;
+    if (shard != nullptr) {
+      require(shard->source[t] >= 0 && static_cast<std::size_t>(shard->source[t]) < names.size(),
+              "shard.source[", t, "] = ", shard->source[t], " names none of the ", names.size(), " names");
+      require(shard->offset[t] >= 0, "shard.offset[", t, "] must be >= 0, got ", shard->offset[t]);
+      require(shard->tensors[t].numel == p.numel, "shard.tensors[", t, "] has ", shard->tensors[t].numel,
+              " elements; this optimizer's tensor ", t, " has ", p.numel);
+      name_index = static_cast<std::size_t>(shard->source[t]);
+      offset = shard->offset[t];
+    }
+    const std::string& base = names[name_index];
+    require(!base.empty(), "names[", name_index, "] is empty");
     const auto n = static_cast<std::size_t>(p.numel);
     auto add = [&](const std::string& name, const char* dtype, void* data, std::size_t elem, bool optional) {
-      require(name != "__metadata__" && seen.insert(name).second, "names[", t, "] makes the tensor name '",
-              name, "' twice (names must be distinct, also with the suffixes .exp_avg, .exp_avg_sq, .model)");
-      parts.push_back(Part{name, dtype, data, n * elem, p.numel, optional});
+      require(name != "__metadata__" && (shard != nullptr || seen.insert(name).second), "names[", t,
+              "] makes the tensor name '", name,
+              "' twice (names must be distinct, also with the suffixes .exp_avg, .exp_avg_sq, .model)");
+      parts.push_back(Part{name, dtype, data, n * elem, p.numel, optional, offset, elem, shard != nullptr});
     };
-    add(names[t], "F32", p.master, 4, false);
-    add(names[t] + ".exp_avg", "F32", p.exp_avg, 4, false);
-    add(names[t] + ".exp_avg_sq", "F32", p.exp_avg_sq, 4, false);
-    if (p.model != nullptr && include_model) add(names[t] + ".model", dtype_code(opt.config().model_dtype), p.model, 2, true);
+    add(base, "F32", p.master, 4, false);
+    add(base + ".exp_avg", "F32", p.exp_avg, 4, false);
+    add(base + ".exp_avg_sq", "F32", p.exp_avg_sq, 4, false);
+    if (p.model != nullptr && include_model) add(base + ".model", dtype_code(opt.config().model_dtype), p.model, 2, true);
   }
   return parts;
 }
@@ -215,9 +240,9 @@ std::map<std::string, std::string> checkpoint_metadata(const std::string& path) 
   return read_header(f, path).metadata;
 }
 
-std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names,
-                                                   const std::string& path) {
-  const std::vector<Part> parts = parts_of(opt, names, true);
+namespace {
+
+std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector<Part>& parts, const std::string& path) {
 
   // Read and check everything first.
   std::ifstream f(path, std::ios::binary);
@@ -260,19 +285,21 @@ std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const std::v
       }
       numel *= d.get<std::uint64_t>();
     }
-    if (numel != static_cast<std::uint64_t>(p.numel)) {
-      corrupt(path, concat(where, " has ", numel, " elements, this optimizer's tensor has ", p.numel));
+    const std::uint64_t wanted = static_cast<std::uint64_t>(p.offset) + static_cast<std::uint64_t>(p.numel);
+    if (p.slice ? numel < wanted : numel != wanted) {
+      corrupt(path, p.slice ? concat(where, " has ", numel, " elements; this shard needs [", p.offset, ", ", wanted, ")")
+                            : concat(where, " has ", numel, " elements, this optimizer's tensor has ", p.numel));
     }
     const Json& o = e["data_offsets"];
     if (!o.is_array() || o.size() != 2 || !o[0].is_number_unsigned() || !o[1].is_number_unsigned()) {
       corrupt(path, where + ": data_offsets is not [begin, end]");
     }
     const auto begin = o[0].get<std::uint64_t>(), end = o[1].get<std::uint64_t>();
-    if (begin > end || end > data_bytes || end - begin != p.bytes) {
-      corrupt(path, concat(where, ": bytes [", begin, ", ", end, ") do not hold ", p.bytes,
+    if (begin > end || end > data_bytes || end - begin != numel * p.elem) {
+      corrupt(path, concat(where, ": bytes [", begin, ", ", end, ") do not hold ", numel * p.elem,
                            " bytes inside the file's ", data_bytes, " (truncated?)"));
     }
-    found.push_back({begin, true});
+    found.push_back({begin + static_cast<std::uint64_t>(p.offset) * p.elem, true});
   }
 
   // Then write: buffers, model copies recomputed where the file has none, and the state.
@@ -308,6 +335,18 @@ std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const std::v
   }
   opt.load_state(state);
   return metadata;
+}
+
+}  // namespace
+
+std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names,
+                                                   const std::string& path) {
+  return load_parts(opt, parts_of(opt, names, true), path);
+}
+
+std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const Shard& shard,
+                                                   const std::vector<std::string>& names, const std::string& path) {
+  return load_parts(opt, parts_of(opt, names, true, &shard), path);
 }
 
 }  // namespace halfstep

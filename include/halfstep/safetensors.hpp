@@ -40,6 +40,16 @@ void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, con
 std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names,
                                                    const std::string& path);
 
+/// The same for one rank of a sharded run (ZeRO-style, see halfstep::shard): opt's tensor i is
+/// elements [shard.offset[i], shard.offset[i] + numel) of the file's tensor names[shard.source[i]]
+/// (`names` names the layout's tensors). A checkpoint of whole tensors therefore resumes on any
+/// number of ranks, each reading only its slices: save one from an unsharded optimizer, or from
+/// one built on buffers gathered from the shards (every rank holds the same optimizer state, so
+/// any rank's save_state serves). Everything is checked before anything is written; model copies
+/// missing from the file are recomputed from the masters.
+std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const Shard& shard,
+                                                   const std::vector<std::string>& names, const std::string& path);
+
 /// The caller's metadata of a checkpoint file, without loading anything (to check it first).
 /// Throws halfstep::Error (corrupt_state) if the file is not a safetensors file.
 std::map<std::string, std::string> checkpoint_metadata(const std::string& path);

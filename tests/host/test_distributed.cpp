@@ -4,10 +4,13 @@
 // and the union of the shards must be bitwise the unsharded state, step after step.
 #include <catch2/catch.hpp>
 
+#include <cstdio>
+#include <memory>
 #include <random>
 
 #include "halfstep/error.hpp"
 #include "halfstep/fused_adamw.hpp"
+#include "halfstep/safetensors.hpp"
 #include "ranks.hpp"
 #include "sharded_run.hpp"
 
@@ -177,4 +180,115 @@ TEST_CASE("the split step refuses calls out of order and the reference backend r
                     Catch::Contains("Distributed.comms[0] is null"));
   CHECK_THROWS_WITH(FusedAdamW(c.whole(flat), c.config, Distributed{0, {fake, fake}}, Backend::reference),
                     Catch::Contains("repeats comms[0]"));
+}
+
+TEST_CASE("a checkpoint of a 3-rank run resumes on 2 ranks and on 1, bit for bit", "[distributed][checkpoint]") {
+  const ShardedCase c = ShardedCase::make(970, DType::f16, 100, 2000);
+  std::vector<std::string> names;
+  for (std::size_t t = 0; t < c.layout.size(); ++t) names.push_back("tensor" + std::to_string(t));
+  const std::string path = "halfstep_test_resharded.safetensors";
+
+  // The uninterrupted run, unsharded.
+  FlatBuffers straight = c.initial;
+  FusedAdamW one(c.whole(straight), c.config, Backend::reference);
+  for (const auto& g : c.grads) {
+    straight.grad = g;
+    one.step();
+  }
+
+  // 50 steps on 3 ranks; then the shards gathered into whole buffers and saved as one checkpoint
+  // (the state from any rank: all hold the same).
+  const int half = 50;
+  {
+    const auto ranges = c.random_cuts(3, 971);
+    std::vector<FlatBuffers> flats(3);
+    std::vector<std::unique_ptr<FusedAdamW>> opts;
+    for (int r = 0; r < 3; ++r) {
+      flats[static_cast<std::size_t>(r)] = c.initial.slice(ranges[static_cast<std::size_t>(r)].first, ranges[static_cast<std::size_t>(r)].second);
+      opts.push_back(std::make_unique<FusedAdamW>(
+          shard(c.layout, ranges[static_cast<std::size_t>(r)].first, ranges[static_cast<std::size_t>(r)].second, flats[static_cast<std::size_t>(r)].view()).tensors,
+          c.config, Distributed{r, {}}, Backend::reference));
+    }
+    for (int s = 0; s < half; ++s) {
+      StepTotals total{};
+      for (int r = 0; r < 3; ++r) {
+        const auto [b, e] = ranges[static_cast<std::size_t>(r)];
+        std::copy(c.grads[static_cast<std::size_t>(s)].begin() + b, c.grads[static_cast<std::size_t>(s)].begin() + e,
+                  flats[static_cast<std::size_t>(r)].grad.begin());
+        opts[static_cast<std::size_t>(r)]->step_local();
+        combine(total, *opts[static_cast<std::size_t>(r)]->device_totals());
+      }
+      for (int r = 0; r < 3; ++r) {
+        *opts[static_cast<std::size_t>(r)]->device_totals() = total;
+        opts[static_cast<std::size_t>(r)]->step_finish();
+      }
+    }
+    FlatBuffers gathered;
+    for (const FlatBuffers& f : flats) {
+      auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
+      append(gathered.master, f.master);
+      append(gathered.exp_avg, f.exp_avg);
+      append(gathered.exp_avg_sq, f.exp_avg_sq);
+      append(gathered.grad, f.grad);
+      append(gathered.model, f.model);
+    }
+    FusedAdamW whole(c.whole(gathered), c.config, Backend::reference);
+    whole.load_state(opts[1]->save_state());
+    save_checkpoint(whole, names, path);
+  }
+
+  // Resumed on 2 ranks, and on 1, each loading only its slices.
+  for (const int n : {2, 1}) {
+    std::vector<FlatBuffers> flats(static_cast<std::size_t>(n));
+    std::vector<std::unique_ptr<FusedAdamW>> opts;
+    std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+    for (int r = 0; r < n; ++r) {
+      ranges.push_back(even_shard(c.numel(), n, r));
+      FlatBuffers& f = flats[static_cast<std::size_t>(r)];
+      f = c.initial.slice(ranges.back().first, ranges.back().second);
+      std::fill(f.master.begin(), f.master.end(), -7.0f);  // all of it comes from the file
+      const Shard sh = shard(c.layout, ranges.back().first, ranges.back().second, f.view());
+      opts.push_back(std::make_unique<FusedAdamW>(sh.tensors, c.config, Distributed{r, {}}, Backend::reference));
+      load_checkpoint(*opts.back(), sh, names, path);
+    }
+    CHECK(opts[0]->state().attempts == half);
+    for (std::size_t s = half; s < c.grads.size(); ++s) {
+      StepTotals total{};
+      for (int r = 0; r < n; ++r) {
+        const auto [b, e] = ranges[static_cast<std::size_t>(r)];
+        std::copy(c.grads[s].begin() + b, c.grads[s].begin() + e, flats[static_cast<std::size_t>(r)].grad.begin());
+        opts[static_cast<std::size_t>(r)]->step_local();
+        combine(total, *opts[static_cast<std::size_t>(r)]->device_totals());
+      }
+      for (int r = 0; r < n; ++r) {
+        *opts[static_cast<std::size_t>(r)]->device_totals() = total;
+        opts[static_cast<std::size_t>(r)]->step_finish();
+      }
+    }
+    FlatBuffers joined;
+    for (const FlatBuffers& f : flats) {
+      auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
+      append(joined.master, f.master);
+      append(joined.exp_avg, f.exp_avg);
+      append(joined.exp_avg_sq, f.exp_avg_sq);
+      append(joined.grad, f.grad);
+      append(joined.model, f.model);
+    }
+    CAPTURE(n);
+    CHECK(joined == straight);
+    CHECK(opts[0]->state() == one.state());
+  }
+  // A shard that asks for more than the file holds is refused, naming the tensor.
+  FlatBuffers f = c.initial;
+  std::vector<ParamTensor> longer = c.layout;
+  longer[0].numel += 1;
+  f.master.push_back(0.0f);
+  f.exp_avg.push_back(0.0f);
+  f.exp_avg_sq.push_back(0.0f);
+  f.grad.push_back(0);
+  f.model.push_back(0);
+  const Shard too_long = shard(longer, 0, c.numel() + 1, f.view());
+  FusedAdamW wrong(too_long.tensors, c.config, Backend::reference);
+  CHECK_THROWS_WITH(load_checkpoint(wrong, too_long, names, path), Catch::Contains("tensor 'tensor0'"));
+  std::remove(path.c_str());
 }
