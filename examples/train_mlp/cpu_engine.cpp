@@ -31,15 +31,22 @@ class CpuEngine final : public Engine {
             std::int64_t steps)
       : dims_(dims), data_(data), losses_(static_cast<std::size_t>(steps), NAN) {
     const auto shapes = tensor_shapes(dims);
+    std::size_t total = 0;
+    for (const TensorShape& t : shapes) total += static_cast<std::size_t>(t.numel);
+    flat_grad_.assign(total, 0);
+    flat_model_.resize(total);
+    std::size_t at = 0;
     for (std::size_t t = 0; t < shapes.size(); ++t) {
       Param p;
       p.master = masters[t];
       p.m.assign(p.master.size(), 0.0f);
       p.v.assign(p.master.size(), 0.0f);
-      p.grad.assign(p.master.size(), 0);
-      p.model.resize(p.master.size());
-      for (std::size_t i = 0; i < p.master.size(); ++i) p.model[i] = to_f16_bits(p.master[i]);
+      p.n = p.master.size();
+      p.grad = flat_grad_.data() + at;
+      p.model = flat_model_.data() + at;
+      for (std::size_t i = 0; i < p.n; ++i) p.model[i] = to_f16_bits(p.master[i]);
       p.group = shapes[t].group;
+      at += p.n;
       params_.push_back(std::move(p));
     }
     const auto b = static_cast<std::size_t>(dims.batch);
@@ -61,23 +68,24 @@ class CpuEngine final : public Engine {
   std::vector<halfstep::ParamTensor> tensors() override {
     std::vector<halfstep::ParamTensor> out;
     for (Param& p : params_) {
-      out.push_back({p.master.data(), p.grad.data(), p.m.data(), p.v.data(), p.model.data(),
+      out.push_back({p.master.data(), p.grad, p.m.data(), p.v.data(), p.model,
                      static_cast<std::int64_t>(p.master.size()), p.group});
     }
     return out;
   }
+  std::uint16_t* flat_grads() override { return flat_grad_.data(); }
+  std::uint16_t* flat_model() override { return flat_model_.data(); }
 
   void forward_backward(std::int64_t step, const halfstep::FusedAdamW& opt, float grad_factor) override {
     const std::vector<float>& f16 = f16_table();
     const int B = dims_.batch, L = dims_.layers();
-    const std::int64_t batches = dims_.samples / B;
-    const std::size_t row0 = static_cast<std::size_t>(step % batches) * static_cast<std::size_t>(B);
+    const auto row0 = static_cast<std::size_t>(dims_.first_row(step));
 
     // The model copy as the products see it: fp16 weights.
     for (int l = 0; l < L; ++l) {
       const Param& w = params_[static_cast<std::size_t>(2 * l)];
-      weights_[static_cast<std::size_t>(l)].resize(w.model.size());
-      for (std::size_t i = 0; i < w.model.size(); ++i) weights_[static_cast<std::size_t>(l)][i] = f16[w.model[i]];
+      weights_[static_cast<std::size_t>(l)].resize(w.n);
+      for (std::size_t i = 0; i < w.n; ++i) weights_[static_cast<std::size_t>(l)][i] = f16[w.model[i]];
     }
 
     // Forward: Z = A W^T + b; hidden layers store fp16(relu(Z)), the last layer stays fp32.
@@ -89,7 +97,7 @@ class CpuEngine final : public Engine {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, out, in, 1.0f,
                   acts_[static_cast<std::size_t>(l)].data(), in,
                   weights_[static_cast<std::size_t>(l)].data(), in, 0.0f, z.data(), out);
-      const std::vector<std::uint16_t>& bias = params_[static_cast<std::size_t>(2 * l + 1)].model;
+      const std::uint16_t* bias = params_[static_cast<std::size_t>(2 * l + 1)].model;
       const bool last = l == L - 1;
       for (int r = 0; r < B; ++r) {
         for (int c = 0; c < out; ++c) {
@@ -123,7 +131,7 @@ class CpuEngine final : public Engine {
       Param& b = params_[static_cast<std::size_t>(2 * l + 1)];
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, B, 1.0f, grad_a_.data(), out,
                   acts_[static_cast<std::size_t>(l)].data(), in, 0.0f, scratch_.data(), in);
-      for (std::size_t i = 0; i < w.grad.size(); ++i) w.grad[i] = to_f16_bits(scratch_[i]);
+      for (std::size_t i = 0; i < w.n; ++i) w.grad[i] = to_f16_bits(scratch_[i]);
       for (int c = 0; c < out; ++c) {
         float sum = 0.0f;
         for (int r = 0; r < B; ++r) sum += grad_a_[static_cast<std::size_t>(r) * static_cast<std::size_t>(out) + static_cast<std::size_t>(c)];
@@ -149,12 +157,15 @@ class CpuEngine final : public Engine {
  private:
   struct Param {
     std::vector<float> master, m, v;
-    std::vector<std::uint16_t> grad, model;
+    std::size_t n = 0;
+    std::uint16_t* grad = nullptr;   // into flat_grad_
+    std::uint16_t* model = nullptr;  // into flat_model_
     std::int32_t group = 0;
   };
   Dims dims_;
   const Dataset& data_;
   std::vector<Param> params_;
+  std::vector<std::uint16_t> flat_grad_, flat_model_;
   std::vector<std::vector<float>> acts_, weights_;
   std::vector<float> grad_a_, grad_b_, scratch_, losses_;
 };

@@ -111,6 +111,13 @@ class CudaEngine final : public Engine {
     TRAIN_CHECK(cublasCreate(&blas_));
     TRAIN_CHECK(cublasSetStream(blas_, stream_));
     const auto shapes = tensor_shapes(dims);
+    std::size_t total = 0;
+    for (const TensorShape& t : shapes) total += static_cast<std::size_t>(t.numel);
+    flat_grad_ = device_alloc<__half>(total + kFlatSlack);
+    flat_model_ = device_alloc<__half>(total + kFlatSlack);
+    TRAIN_CHECK(cudaMemset(flat_grad_, 0, (total + kFlatSlack) * 2));
+    TRAIN_CHECK(cudaMemset(flat_model_, 0, (total + kFlatSlack) * 2));
+    std::size_t at = 0;
     for (std::size_t t = 0; t < shapes.size(); ++t) {
       const auto n = static_cast<std::size_t>(shapes[t].numel);
       Param p;
@@ -119,8 +126,9 @@ class CudaEngine final : public Engine {
       p.master = device_alloc<float>(n);
       p.m = device_alloc<float>(n);
       p.v = device_alloc<float>(n);
-      p.grad = device_alloc<__half>(n);
-      p.model = device_alloc<__half>(n);
+      p.grad = flat_grad_ + at;
+      p.model = flat_model_ + at;
+      at += n;
       params_.push_back(p);
     }
     const std::vector<std::vector<float>> zeros = [&] {
@@ -151,9 +159,9 @@ class CudaEngine final : public Engine {
       cudaFree(p.master);
       cudaFree(p.m);
       cudaFree(p.v);
-      cudaFree(p.grad);
-      cudaFree(p.model);
     }
+    cudaFree(flat_grad_);
+    cudaFree(flat_model_);
     for (__half* a : acts_) cudaFree(a);
     cudaFree(x_);
     cudaFree(y_);
@@ -181,11 +189,12 @@ class CudaEngine final : public Engine {
     }
     return out;
   }
+  std::uint16_t* flat_grads() override { return reinterpret_cast<std::uint16_t*>(flat_grad_); }
+  std::uint16_t* flat_model() override { return reinterpret_cast<std::uint16_t*>(flat_model_); }
 
   void forward_backward(std::int64_t step, const halfstep::FusedAdamW& opt, float grad_factor) override {
     const int B = dims_.batch, L = dims_.layers();
-    const std::int64_t batches = dims_.samples / B;
-    const long long row0 = (step % batches) * B;
+    const long long row0 = dims_.first_row(step);
     const float one = 1.0f, zero = 0.0f;
     constexpr int kThreads = 256;
 
@@ -280,6 +289,8 @@ class CudaEngine final : public Engine {
   cublasHandle_t blas_ = nullptr;
   std::vector<Param> params_;
   std::vector<__half*> acts_;
+  __half* flat_grad_ = nullptr;   // every tensor's gradient, end to end
+  __half* flat_model_ = nullptr;  // every tensor's model copy, end to end
   __half* x_ = nullptr;
   float* y_ = nullptr;
   float* z_ = nullptr;

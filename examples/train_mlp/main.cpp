@@ -17,6 +17,7 @@
 #include <halfstep/safetensors.hpp>
 
 #include "model.hpp"
+#include "trainer.hpp"
 
 namespace {
 
@@ -58,6 +59,8 @@ struct Options {
   int growth_interval = 100;
   bool growth_interval_given = false;
   bool quiet = false;
+  int ranks = 0;               // 0: no data parallelism
+  bool replicate_batch = false;
   std::string command_line;  // as given, for the trace
 };
 
@@ -117,12 +120,22 @@ Options parse(int argc, char** argv) {
   auto* growth = app.add_option("--growth-interval", o.growth_interval, "clean steps before the scale grows (default 100)")
                      ->check(CLI::Range(1, 1 << 30));
   app.add_flag("--quiet", o.quiet, "no progress lines, only the summary");
+  app.add_option("--ranks", o.ranks,
+                 "data parallelism over N ranks: the batch split over them, gradients\n"
+                 "reduce-scattered, optimizer state sharded, one verdict for all, model\n"
+                 "copies all-gathered. On a GPU machine one rank per GPU over NCCL; on the\n"
+                 "CPU, N ranks simulated in this process. --trace writes one file per rank")
+      ->check(CLI::Range(1, static_cast<int>(train::kFlatSlack)));
+  app.add_flag("--replicate-batch", o.replicate_batch,
+               "with --ranks: every rank computes the whole batch (so the sharded step must\n"
+               "reproduce the unsharded one exactly)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     std::exit(app.exit(e));
   }
   o.growth_interval_given = growth->count() > 0;
+  if (o.replicate_batch && o.ranks == 0) usage_error("--replicate-batch needs --ranks");
   o.command_line = "halfstep-train";
   for (int i = 1; i < argc; ++i) o.command_line += std::string(" ") + argv[i];
   return o;
@@ -229,15 +242,15 @@ std::string shape_key(const train::Dims& d, std::uint64_t seed) {
 }
 
 void save_checkpoint(const std::string& path, std::int64_t next_step, const train::Dims& dims,
-                     std::uint64_t seed, halfstep::FusedAdamW& opt) {
+                     std::uint64_t seed, train::Trainer& trainer) {
   halfstep::CheckpointOptions options;
   options.metadata["halfstep-train.next_step"] = std::to_string(next_step);
   options.metadata["halfstep-train.shape"] = shape_key(dims, seed);
-  halfstep::save_checkpoint(opt, tensor_names(dims), path, options);
+  trainer.save(tensor_names(dims), path, options);
 }
 
 std::int64_t load_checkpoint(const std::string& path, const train::Dims& dims, std::uint64_t seed,
-                             std::int64_t steps, halfstep::FusedAdamW& opt) {
+                             std::int64_t steps, train::Trainer& trainer) {
   // This program's own metadata first; halfstep then checks and restores everything else.
   const auto meta = halfstep::checkpoint_metadata(path);
   const auto shape = meta.find("halfstep-train.shape");
@@ -255,7 +268,7 @@ std::int64_t load_checkpoint(const std::string& path, const train::Dims& dims, s
                              std::to_string(steps) + " is the total: nothing to run (give --steps " +
                              std::to_string(next_step + 1) + " or more)");
   }
-  halfstep::load_checkpoint(opt, tensor_names(dims), path);
+  trainer.load(tensor_names(dims), path);
   return next_step;
 }
 
@@ -277,6 +290,16 @@ void trace_row(std::FILE* f, const StepReport& r, float loss, float lr) {
                static_cast<double>(r.max_abs_scaled), static_cast<double>(r.headroom_log2),
                static_cast<long long>(r.subnormal_count), static_cast<long long>(r.zero_count),
                static_cast<long long>(r.numel), static_cast<long long>(r.held_elements));
+}
+
+// The trace file of rank `rank`: the given path for rank 0, "NAME.rankR.EXT" for the others.
+std::string rank_trace(const std::string& path, int rank) {
+  if (rank == 0) return path;
+  const std::size_t slash = path.find_last_of('/');
+  const std::size_t dot = path.find_last_of('.');
+  const bool has_ext = dot != std::string::npos && (slash == std::string::npos || dot > slash);
+  const std::string tag = ".rank" + std::to_string(rank);
+  return has_ext ? path.substr(0, dot) + tag + path.substr(dot) : path + tag;
 }
 
 // How far from the teacher the lr-decay scenario starts: this fraction of a fresh initialisation.
@@ -302,7 +325,7 @@ int run(const Options& o) {
   if (o.width > 0) dims.width = o.width;
   if (o.layers > 0) dims.hidden_layers = o.layers;
   if (o.batch > 0) dims.batch = o.batch;
-  dims.samples = std::max(dims.samples / dims.batch, 1) * dims.batch;
+  dims.samples = std::max(dims.samples / dims.batch, 1) * dims.batch;  // whole batches
   const std::int64_t steps = o.steps > 0 ? o.steps : (gpu ? 5000 : 3000);
   const std::int64_t print_every = o.print_every > 0 ? o.print_every : std::max<std::int64_t>(steps / 15, 1);
   Scenario scenario = make_scenario(o, steps);
@@ -319,33 +342,71 @@ int run(const Options& o) {
       for (std::size_t i = 0; i < masters[t].size(); ++i) masters[t][i] = teacher[t][i] + kFineTune * masters[t][i];
     }
   }
+  // The engines: one, or one per rank with its slice of the batch (or all of it, replicated).
+  const int ranks = o.ranks > 0 ? o.ranks : 1;
+  if (o.ranks > 0 && !o.replicate_batch && dims.batch % ranks != 0) {
+    usage_error("--ranks " + std::to_string(ranks) + " must divide the batch of " + std::to_string(dims.batch) +
+                " samples (or give --replicate-batch)");
+  }
+  auto rank_dims = [&](int r) {
+    train::Dims d = dims;
+    if (o.ranks > 0 && !o.replicate_batch) {
+      d.global_batch = dims.batch;
+      d.batch = dims.batch / ranks;
+      d.batch_offset = r * d.batch;
+    }
+    return d;
+  };
+  auto make_engine = [&](int r) -> std::unique_ptr<train::Engine> {
 #if HALFSTEP_TRAIN_CPU
-  std::unique_ptr<train::Engine> engine =
-      gpu ? train::make_cuda_engine(dims, data, masters, steps) : train::make_cpu_engine(dims, data, masters, steps);
-#else
-  std::unique_ptr<train::Engine> engine = train::make_cuda_engine(dims, data, masters, steps);
+    if (!gpu) return train::make_cpu_engine(rank_dims(r), data, masters, steps);
 #endif
-  halfstep::FusedAdamW opt(engine->tensors(), scenario.config, engine->backend());
-  std::printf("halfstep-train: scenario %s on %s\n", o.scenario.c_str(), engine->name().c_str());
+    return train::make_cuda_engine(rank_dims(r), data, masters, steps);
+  };
+  std::unique_ptr<train::Engine> engine;  // the plain run's
+  std::unique_ptr<train::Trainer> trainer;
+  std::string engine_name;
+  if (o.ranks == 0) {
+    engine = make_engine(0);
+    engine_name = engine->name();
+    trainer = train::make_single_trainer(*engine, scenario.config);
+  } else if (gpu) {
+    trainer = train::make_nccl_ranks(ranks, make_engine, scenario.config);
+    engine_name = std::to_string(ranks) + " ranks over NCCL, one GPU each";
+  } else {
+    std::vector<std::unique_ptr<train::Engine>> engines;
+    for (int r = 0; r < ranks; ++r) engines.push_back(make_engine(r));
+    engine_name = engines[0]->name() + ", " + std::to_string(ranks) + " ranks in this process";
+    trainer = train::make_host_ranks(std::move(engines), scenario.config);
+  }
+  std::printf("halfstep-train: scenario %s on %s\n", o.scenario.c_str(), engine_name.c_str());
   std::printf("  MLP %d -> %d x %d (ReLU) -> %d, %lld parameters in %zu tensors, batch %d, %lld steps\n",
               dims.d_in, dims.hidden_layers, dims.width, dims.d_out,
               static_cast<long long>(dims.parameters()), train::tensor_shapes(dims).size(), dims.batch,
               static_cast<long long>(steps));
+  if (o.ranks > 0) {
+    std::printf("  data parallel over %d ranks: %s, optimizer state sharded\n", ranks,
+                o.replicate_batch ? "every rank computes the whole batch"
+                                  : ("each rank computes " + std::to_string(dims.batch / ranks) + " samples").c_str());
+  }
 
   std::int64_t start = 0;
   if (!o.resume.empty()) {
-    start = load_checkpoint(o.resume, dims, o.seed, steps, opt);
+    start = load_checkpoint(o.resume, dims, o.seed, steps, *trainer);
     std::printf("  resumed from %s at step %lld (loss scale %s)\n", o.resume.c_str(),
-                static_cast<long long>(start), log2_text(opt.loss_scale()).c_str());
+                static_cast<long long>(start), log2_text(trainer->state().scaler.scale).c_str());
   }
-  std::FILE* trace = nullptr;
+  std::vector<std::FILE*> traces;
   if (!o.trace.empty()) {
-    trace = std::fopen(o.trace.c_str(), start > 0 ? "a" : "w");
-    if (!trace) throw std::runtime_error("cannot write " + o.trace);
-    if (start == 0) {
-      std::fprintf(trace, "# %s (halfstep %s, %s)\n", o.command_line.c_str(), halfstep::version(),
-                   engine->name().c_str());
-      trace_header(trace);
+    for (int r = 0; r < trainer->ranks(); ++r) {
+      const std::string path = rank_trace(o.trace, r);
+      std::FILE* f = std::fopen(path.c_str(), start > 0 ? "a" : "w");
+      if (!f) throw std::runtime_error("cannot write " + path);
+      if (start == 0) {
+        std::fprintf(f, "# %s (halfstep %s, %s)\n", o.command_line.c_str(), halfstep::version(), engine_name.c_str());
+        trace_header(f);
+      }
+      traces.push_back(f);
     }
   }
 
@@ -355,26 +416,26 @@ int run(const Options& o) {
   float last_lr = NAN;
   for (std::int64_t step = start; step < steps; ++step) {
     const float lr = scenario.lr(step);
-    if (lr != last_lr) {  // ordered before this step's update, on the engine's stream
-      opt.set_lr(0, lr, engine->stream());
-      opt.set_lr(1, lr, engine->stream());
+    if (lr != last_lr) {  // ordered before this step's update, on the engines' streams
+      trainer->set_lr(lr);
       last_lr = lr;
     }
     const float factor = step == scenario.spike_step ? scenario.spike_factor : 1.0f;
-    engine->forward_backward(step, opt, factor);
-    engine->step(opt);
+    trainer->step(step, factor);
     const bool print = !o.quiet && ((step + 1) % print_every == 0 || step + 1 == steps);
-    if (trace || print) {
-      const StepReport r = opt.last_report();
-      const float loss = engine->loss(step);
-      if (trace) trace_row(trace, r, loss, lr);
+    if (!traces.empty() || print) {
+      const StepReport r = trainer->report(0);
+      const float loss = trainer->loss(step);
+      for (std::size_t k = 0; k < traces.size(); ++k) {
+        trace_row(traces[k], k == 0 ? r : trainer->report(static_cast<int>(k)), loss, lr);
+      }
       if (print) {
         const auto now = std::chrono::steady_clock::now();
         const double rate = static_cast<double>(step + 1 - last_print) /
                             std::chrono::duration<double>(now - t_last).count();
         t_last = now;
         last_print = step + 1;
-        const halfstep::OptimizerState s = opt.state();
+        const halfstep::OptimizerState s = trainer->state();
         const double numel = static_cast<double>(std::max<std::int64_t>(r.numel, 1));
         std::printf("step %6lld  loss %.5f  scale %-7s skipped %4lld  |g| %.2e  headroom %5.1f  "
                     "subnormal %6.3f%%  zero %5.1f%%  %6.1f steps/s\n",
@@ -387,18 +448,18 @@ int run(const Options& o) {
       }
     }
   }
-  engine->sync();
+  trainer->sync();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (trace) std::fclose(trace);
+  for (std::FILE* f : traces) std::fclose(f);
 
   // Summary: the loss at the start and the end of this run, and what the scaler did.
   const std::int64_t window = std::max<std::int64_t>(std::min<std::int64_t>(100, (steps - start) / 5), 1);
   auto mean_loss = [&](std::int64_t from) {
     double sum = 0.0;
-    for (std::int64_t s = from; s < from + window; ++s) sum += engine->loss(s);
+    for (std::int64_t s = from; s < from + window; ++s) sum += trainer->loss(s);
     return sum / static_cast<double>(window);
   };
-  const halfstep::OptimizerState s = opt.state();
+  const halfstep::OptimizerState s = trainer->state();
   std::printf("done: %lld steps in %.1f s (%.1f steps/s)\n", static_cast<long long>(steps - start),
               seconds, static_cast<double>(steps - start) / seconds);
   std::printf("  loss %.5f over the first %lld steps, %.5f over the last %lld\n", mean_loss(start),
@@ -411,7 +472,7 @@ int run(const Options& o) {
   std::printf("  loss scale %s: %lld growths, %lld backoffs\n", log2_text(s.scaler.scale).c_str(),
               static_cast<long long>(s.scaler.growths), static_cast<long long>(s.scaler.backoffs));
   if (!o.checkpoint.empty()) {
-    save_checkpoint(o.checkpoint, steps, dims, o.seed, opt);
+    save_checkpoint(o.checkpoint, steps, dims, o.seed, *trainer);
     std::printf("  checkpoint written to %s\n", o.checkpoint.c_str());
   }
   return 0;

@@ -23,10 +23,19 @@ struct Dims {
   int width = 256;        // hidden width
   int hidden_layers = 3;  // ReLU layers; the network has hidden_layers + 1 linear layers
   int d_out = 16;         // outputs
-  int batch = 128;        // samples per step
-  int samples = 8192;     // dataset size (a multiple of batch)
+  int batch = 128;        // samples per step (on each rank)
+  int samples = 8192;     // dataset size (a multiple of global_batch)
+  // Data parallelism: a step's batch is global_batch samples, of which this engine takes `batch`
+  // starting at batch_offset (0 and 0: the whole batch).
+  int global_batch = 0;
+  int batch_offset = 0;
 
   int layers() const { return hidden_layers + 1; }
+  int step_batch() const { return global_batch > 0 ? global_batch : batch; }
+  /// The first dataset row of this engine's part of batch `step`.
+  std::int64_t first_row(std::int64_t step) const {
+    return (step % (samples / step_batch())) * step_batch() + batch_offset;
+  }
   int fan_in(int l) const { return l == 0 ? d_in : width; }
   int fan_out(int l) const { return l == layers() - 1 ? d_out : width; }
   std::int64_t parameters() const;
@@ -63,6 +72,10 @@ std::vector<TensorShape> tensor_shapes(const Dims& dims);
 /// Initial fp32 masters: He-normal weights, zero biases.
 std::vector<std::vector<float>> initial_masters(const Dims& dims, std::uint64_t seed);
 
+/// Elements of room the engines leave after their flat gradient and model-copy buffers (zeroed):
+/// data parallelism over R ranks pads the flat space to a multiple of R (R <= kFlatSlack).
+inline constexpr std::int64_t kFlatSlack = 1024;
+
 /// Runs the network's forward and backward passes and owns the buffers halfstep updates.
 class Engine {
  public:
@@ -73,6 +86,11 @@ class Engine {
   virtual halfstep::Backend backend() const = 0;
   /// The parameter tensors, in tensor_shapes order.
   virtual std::vector<halfstep::ParamTensor> tensors() = 0;
+  /// The gradients and the model copies of all tensors, end to end in tensor_shapes order: one
+  /// flat buffer each (device memory for the CUDA engine), what a data-parallel step
+  /// reduce-scatters and all-gathers.
+  virtual std::uint16_t* flat_grads() = 0;
+  virtual std::uint16_t* flat_model() = 0;
   /// Forward, loss and backward on batch `step`, seeded with the loss scale `opt` holds (read
   /// on the device, no synchronisation) times `grad_factor` (1 except for injected spikes).
   virtual void forward_backward(std::int64_t step, const halfstep::FusedAdamW& opt, float grad_factor) = 0;

@@ -1,0 +1,200 @@
+// halfstep-train's trainers on the host: the plain single-engine one, and data parallelism with
+// ranks simulated in one process on the CPU engine.
+#include <cmath>
+#include <stdexcept>
+
+#include "trainer.hpp"
+
+namespace train {
+namespace {
+
+class SingleTrainer final : public Trainer {
+ public:
+  SingleTrainer(Engine& engine, const halfstep::StepConfig& config)
+      : engine_(engine), opt_(engine.tensors(), config, engine.backend()) {}
+  int ranks() const override { return 1; }
+  void set_lr(float lr) override {
+    opt_.set_lr(0, lr, engine_.stream());
+    opt_.set_lr(1, lr, engine_.stream());
+  }
+  void step(std::int64_t step, float grad_factor) override {
+    engine_.forward_backward(step, opt_, grad_factor);
+    engine_.step(opt_);
+  }
+  halfstep::StepReport report(int) override { return opt_.last_report(); }
+  float loss(std::int64_t step) override { return engine_.loss(step); }
+  halfstep::OptimizerState state() override { return opt_.state(); }
+  void save(const std::vector<std::string>& names, const std::string& path,
+            const halfstep::CheckpointOptions& options) override {
+    halfstep::save_checkpoint(opt_, names, path, options);
+  }
+  void load(const std::vector<std::string>& names, const std::string& path) override {
+    halfstep::load_checkpoint(opt_, names, path);
+  }
+  void sync() override { engine_.sync(); }
+
+ private:
+  Engine& engine_;
+  halfstep::FusedAdamW opt_;
+};
+
+// Decodes fp16 bit patterns exactly.
+float f16(std::uint16_t bits) { return static_cast<float>(halfstep::from_f16_bits(bits)); }
+
+// One rank's shard of the optimizer state: its range of the flat parameter space in five flat
+// buffers, and the optimizer over them.
+struct HostShard {
+  std::int64_t begin = 0, end = 0;
+  std::vector<float> master, exp_avg, exp_avg_sq;
+  std::vector<std::uint16_t> grad, model;
+  halfstep::Shard pieces;
+  std::unique_ptr<halfstep::FusedAdamW> opt;
+  halfstep::ParamTensor flat() {
+    halfstep::ParamTensor p;
+    p.master = master.data();
+    p.grad = grad.data();
+    p.exp_avg = exp_avg.data();
+    p.exp_avg_sq = exp_avg_sq.data();
+    p.model = model.data();
+    p.numel = end - begin;
+    return p;
+  }
+};
+
+class HostRanks final : public Trainer {
+ public:
+  HostRanks(std::vector<std::unique_ptr<Engine>> engines, const halfstep::StepConfig& config)
+      : engines_(std::move(engines)), config_(config) {
+    const int n = static_cast<int>(engines_.size());
+    // The layout and the initial masters, from rank 0's engine (every engine starts alike).
+    std::vector<float> masters;
+    for (const halfstep::ParamTensor& t : engines_[0]->tensors()) {
+      halfstep::ParamTensor shape;
+      shape.numel = t.numel;
+      shape.group = t.group;
+      layout_.push_back(shape);
+      masters.insert(masters.end(), t.master, t.master + t.numel);
+    }
+    total_ = static_cast<std::int64_t>(masters.size());
+    shards_.resize(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      HostShard& s = shards_[static_cast<std::size_t>(r)];
+      std::tie(s.begin, s.end) = halfstep::even_shard(total_, n, r);
+      const auto len = static_cast<std::size_t>(s.end - s.begin);
+      s.master.assign(masters.begin() + s.begin, masters.begin() + s.end);
+      s.exp_avg.assign(len, 0.0f);
+      s.exp_avg_sq.assign(len, 0.0f);
+      s.grad.assign(len, 0);
+      s.model.assign(engines_[0]->flat_model() + s.begin, engines_[0]->flat_model() + s.end);
+      s.pieces = halfstep::shard(layout_, s.begin, s.end, s.flat());
+      s.opt = std::make_unique<halfstep::FusedAdamW>(s.pieces.tensors, config_, halfstep::Distributed{r, {}},
+                                                     halfstep::Backend::reference);
+    }
+  }
+
+  int ranks() const override { return static_cast<int>(engines_.size()); }
+
+  void set_lr(float lr) override {
+    for (HostShard& s : shards_) {
+      s.opt->set_lr(0, lr);
+      s.opt->set_lr(1, lr);
+    }
+  }
+
+  void step(std::int64_t step, float grad_factor) override {
+    const std::size_t n = engines_.size();
+    for (std::size_t r = 0; r < n; ++r) engines_[r]->forward_backward(step, *shards_[r].opt, grad_factor);
+    // Reduce-scatter: each rank's range of the average of every rank's gradients, summed in fp32
+    // in rank order and rounded once to fp16.
+    for (HostShard& s : shards_) {
+      for (std::int64_t i = s.begin; i < s.end; ++i) {
+        float sum = 0.0f;
+        for (const auto& e : engines_) sum += f16(e->flat_grads()[i]);
+        s.grad[static_cast<std::size_t>(i - s.begin)] = halfstep::to_f16_bits(sum / static_cast<float>(n));
+      }
+    }
+    // One verdict: every rank's record reduced, every rank decides from the result.
+    halfstep::StepTotals total{};
+    for (HostShard& s : shards_) {
+      s.opt->step_local();
+      halfstep::combine(total, *s.opt->device_totals());
+    }
+    for (HostShard& s : shards_) {
+      *s.opt->device_totals() = total;
+      s.opt->step_finish();
+    }
+    all_gather();
+  }
+
+  // The report, its first inf/NaN named by the tensor's index in the whole model.
+  halfstep::StepReport report(int rank) override {
+    halfstep::StepReport r = shards_[static_cast<std::size_t>(rank)].opt->last_report();
+    if (r.first_nonfinite_tensor >= 0) {
+      r.first_nonfinite_tensor = shards_[static_cast<std::size_t>(r.first_nonfinite_rank)]
+                                     .pieces.source[static_cast<std::size_t>(r.first_nonfinite_tensor)];
+    }
+    return r;
+  }
+
+  float loss(std::int64_t step) override {  // the mean of the ranks' equal slices
+    double sum = 0.0;
+    for (const auto& e : engines_) sum += e->loss(step);
+    return static_cast<float>(sum / static_cast<double>(engines_.size()));
+  }
+
+  halfstep::OptimizerState state() override { return shards_[0].opt->state(); }
+
+  void save(const std::vector<std::string>& names, const std::string& path,
+            const halfstep::CheckpointOptions& options) override {
+    // The shards gathered into whole buffers, saved by an optimizer built on them with the state
+    // every rank holds.
+    std::vector<float> master, exp_avg, exp_avg_sq;
+    std::vector<std::uint16_t> grad, model;
+    for (const HostShard& s : shards_) {
+      master.insert(master.end(), s.master.begin(), s.master.end());
+      exp_avg.insert(exp_avg.end(), s.exp_avg.begin(), s.exp_avg.end());
+      exp_avg_sq.insert(exp_avg_sq.end(), s.exp_avg_sq.begin(), s.exp_avg_sq.end());
+      grad.insert(grad.end(), s.grad.begin(), s.grad.end());
+      model.insert(model.end(), s.model.begin(), s.model.end());
+    }
+    halfstep::ParamTensor flat{master.data(), grad.data(), exp_avg.data(), exp_avg_sq.data(), model.data(), total_, 0};
+    halfstep::FusedAdamW whole(halfstep::shard(layout_, 0, total_, flat).tensors, config_, halfstep::Backend::reference);
+    whole.load_state(shards_[0].opt->save_state());
+    halfstep::save_checkpoint(whole, names, path, options);
+  }
+
+  void load(const std::vector<std::string>& names, const std::string& path) override {
+    for (HostShard& s : shards_) halfstep::load_checkpoint(*s.opt, s.pieces, names, path);
+    all_gather();
+  }
+
+  void sync() override {}
+
+ private:
+  // Every engine's model copy from every rank's shard.
+  void all_gather() {
+    for (const HostShard& s : shards_) {
+      for (const auto& e : engines_) std::copy(s.model.begin(), s.model.end(), e->flat_model() + s.begin);
+    }
+  }
+
+  std::vector<std::unique_ptr<Engine>> engines_;
+  halfstep::StepConfig config_;
+  std::vector<halfstep::ParamTensor> layout_;
+  std::int64_t total_ = 0;
+  std::vector<HostShard> shards_;
+};
+
+}  // namespace
+
+std::unique_ptr<Trainer> make_single_trainer(Engine& engine, const halfstep::StepConfig& config) {
+  return std::make_unique<SingleTrainer>(engine, config);
+}
+
+std::unique_ptr<Trainer> make_host_ranks(std::vector<std::unique_ptr<Engine>> engines,
+                                         const halfstep::StepConfig& config) {
+  if (engines.empty()) throw std::invalid_argument("make_host_ranks: no engines");
+  return std::make_unique<HostRanks>(std::move(engines), config);
+}
+
+}  // namespace train
