@@ -31,7 +31,7 @@ import torch
 class Tensor(C.Structure):
     _fields_ = [("master", C.c_void_p), ("grad", C.c_void_p), ("exp_avg", C.c_void_p),
                 ("exp_avg_sq", C.c_void_p), ("model", C.c_void_p), ("numel", C.c_int64),
-                ("group", C.c_int32)]
+                ("group", C.c_int32), ("exclude_from_norm", C.c_int32)]
 
 
 class Group(C.Structure):
@@ -60,7 +60,8 @@ class Report(C.Structure):
                 ("nonfinite_count", C.c_int64), ("first_nonfinite_tensor", C.c_int32),
                 ("max_abs_scaled", C.c_float), ("headroom_log2", C.c_float),
                 ("subnormal_count", C.c_int64), ("zero_count", C.c_int64), ("numel", C.c_int64),
-                ("reason", C.c_int32), ("held_elements", C.c_int64)]
+                ("reason", C.c_int32), ("held_elements", C.c_int64),
+                ("first_nonfinite_rank", C.c_int32)]
 
 
 APPLIED, SKIPPED_OVERFLOW = 0, 1

@@ -146,6 +146,13 @@ void halfstep_group_init(halfstep_group* g) {
 halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
                                 const halfstep_group* groups, int32_t n_groups,
                                 const halfstep_config* config, halfstep_optimizer** out) {
+  return halfstep_create_distributed(tensors, n_tensors, groups, n_groups, config, 0, nullptr, 0, out);
+}
+
+halfstep_status halfstep_create_distributed(const halfstep_tensor* tensors, int64_t n_tensors,
+                                            const halfstep_group* groups, int32_t n_groups,
+                                            const halfstep_config* config, int32_t rank,
+                                            void* const* comms, int32_t n_comms, halfstep_optimizer** out) {
   return guarded([&] {
     require(out != nullptr, "out must not be NULL");
     *out = nullptr;
@@ -157,11 +164,17 @@ halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensor
     std::vector<halfstep::ParamTensor> list(static_cast<std::size_t>(n_tensors));
     for (int64_t t = 0; t < n_tensors; ++t) {
       const halfstep_tensor& c = tensors[t];
-      list[static_cast<std::size_t>(t)] = {c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.model, c.numel, c.group};
+      list[static_cast<std::size_t>(t)] = {c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.model, c.numel, c.group,
+                                           c.exclude_from_norm == 0};
     }
+    require(n_comms >= 0 && n_comms <= 64, "n_comms must be in [0, 64]");
+    require(n_comms == 0 || comms != nullptr, "comms must not be NULL when n_comms > 0");
+    halfstep::Distributed dist;
+    dist.rank = rank;
+    for (int32_t c = 0; c < n_comms; ++c) dist.comms.push_back(static_cast<ncclComm*>(comms[c]));
     const halfstep::Backend backend =
         config->backend == HALFSTEP_BACKEND_CUDA ? halfstep::Backend::cuda : halfstep::Backend::reference;
-    *out = new halfstep_optimizer{halfstep::FusedAdamW(list, step_config(groups, n_groups, *config), backend)};
+    *out = new halfstep_optimizer{halfstep::FusedAdamW(list, step_config(groups, n_groups, *config), dist, backend)};
   });
 }
 
@@ -172,6 +185,32 @@ halfstep_status halfstep_step(halfstep_optimizer* opt, void* stream) {
     require(opt != nullptr, "opt must not be NULL");
     opt->opt.step(static_cast<halfstep::Stream>(stream));
   });
+}
+
+halfstep_status halfstep_step_local(halfstep_optimizer* opt, void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.step_local(static_cast<halfstep::Stream>(stream));
+  });
+}
+
+halfstep_status halfstep_step_finish(halfstep_optimizer* opt, void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.step_finish(static_cast<halfstep::Stream>(stream));
+  });
+}
+
+uint64_t* halfstep_device_totals(halfstep_optimizer* opt) {
+  uint64_t* out = nullptr;
+  (void)guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    static_assert(HALFSTEP_TOTALS_SUM_WORDS == halfstep::StepTotals::kSumWords &&
+                      HALFSTEP_TOTALS_MAX_WORDS == halfstep::StepTotals::kMaxWords,
+                  "the C record is the C++ one");
+    out = opt->opt.device_totals()->sum;
+  });
+  return out;
 }
 
 halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* out) {
@@ -195,6 +234,7 @@ halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* o
     out->numel = r.numel;
     out->reason = static_cast<int32_t>(r.reason);
     out->held_elements = r.held_elements;
+    out->first_nonfinite_rank = r.first_nonfinite_rank;
   });
 }
 

@@ -65,6 +65,7 @@ int halfstep_c_api_exercise(const char* dir) {
     tensors[t].model = model[t];
     tensors[t].numel = N;
     tensors[t].group = t;
+    tensors[t].exclude_from_norm = 0;
     halfstep_group_init(&groups[t]);
   }
   groups[0].weight_decay = 0.01f;
@@ -135,5 +136,55 @@ int halfstep_c_api_exercise(const char* dir) {
   remove(path);
   halfstep_destroy(opt);
   halfstep_destroy(NULL);
+
+  /* Two ranks in one process, each holding one tensor, the caller reducing their records: SUM
+   * over the first words, MAX over the last. An inf on rank 1 skips both, naming rank 1. */
+  {
+    halfstep_optimizer* rank[2] = {NULL, NULL};
+    halfstep_report reports[2];
+    uint64_t total[HALFSTEP_TOTALS_SUM_WORDS + HALFSTEP_TOTALS_MAX_WORDS];
+    int r, w, s;
+    for (r = 0; r < 2; ++r) {
+      CHECK(70, halfstep_create_distributed(&tensors[r], 1, groups, 2, &config, r, NULL, 0, &rank[r]) == HALFSTEP_OK);
+    }
+    for (s = 0; s < 2; ++s) {
+      grad[1][2] = s == 0 ? 0x7C00 : grad[1][3];
+      memset(total, 0, sizeof total);
+      for (r = 0; r < 2; ++r) {
+        const uint64_t* mine;
+        CHECK(71, halfstep_step_local(rank[r], NULL) == HALFSTEP_OK);
+        mine = halfstep_device_totals(rank[r]);
+        CHECK(72, mine != NULL);
+        for (w = 0; w < HALFSTEP_TOTALS_SUM_WORDS; ++w) total[w] += mine[w];
+        for (; w < HALFSTEP_TOTALS_SUM_WORDS + HALFSTEP_TOTALS_MAX_WORDS; ++w) {
+          if (mine[w] > total[w]) total[w] = mine[w];
+        }
+      }
+      for (r = 0; r < 2; ++r) {
+        memcpy(halfstep_device_totals(rank[r]), total, sizeof total);
+        CHECK(73, halfstep_step_finish(rank[r], NULL) == HALFSTEP_OK);
+        CHECK(74, halfstep_last_report(rank[r], &reports[r]) == HALFSTEP_OK);
+      }
+      CHECK(75, reports[0].outcome == reports[1].outcome &&
+                    (reports[0].grad_norm == reports[1].grad_norm ||
+                     (reports[0].grad_norm != reports[0].grad_norm && reports[1].grad_norm != reports[1].grad_norm)));
+      CHECK(76, reports[0].numel == 2 * N && reports[1].numel == 2 * N);
+      if (s == 0) {
+        CHECK(77, reports[1].outcome == HALFSTEP_SKIPPED_OVERFLOW && reports[1].first_nonfinite_rank == 1 &&
+                      reports[1].first_nonfinite_tensor == 0);
+      } else {
+        CHECK(78, reports[0].outcome == HALFSTEP_APPLIED && reports[0].first_nonfinite_rank == -1);
+      }
+    }
+    CHECK(79, halfstep_step_finish(rank[0], NULL) == HALFSTEP_ERROR_USAGE); /* no step_local */
+    halfstep_destroy(rank[0]);
+    halfstep_destroy(rank[1]);
+  }
+  /* A tensor left out of the norm still updates but does not count. */
+  tensors[1].exclude_from_norm = 1;
+  CHECK(80, halfstep_create(tensors, 2, groups, 2, &config, &opt) == HALFSTEP_OK);
+  CHECK(81, halfstep_step(opt, NULL) == HALFSTEP_OK && halfstep_last_report(opt, &report) == HALFSTEP_OK);
+  CHECK(82, report.numel == N && report.outcome == HALFSTEP_APPLIED);
+  halfstep_destroy(opt);
   return 0;
 }

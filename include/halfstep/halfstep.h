@@ -52,6 +52,9 @@ typedef struct halfstep_tensor {
   void* model; /**< may be NULL */
   int64_t numel;
   int32_t group;
+  /** Nonzero: leave this tensor out of the norm and the counts (it is replicated on other ranks
+   *  of the reduction; halfstep::ParamTensor::in_norm = false). Zero, the default: count it. */
+  int32_t exclude_from_norm;
 } halfstep_tensor;
 
 /** One parameter group (halfstep::AdamWConfig); booleans are 0 or 1. */
@@ -84,7 +87,14 @@ typedef struct halfstep_report {
   int64_t subnormal_count, zero_count, numel;
   int32_t reason;        /**< HALFSTEP_REASON_* */
   int64_t held_elements; /**< elements kept because their update would not have been finite */
+  int32_t first_nonfinite_rank; /**< lowest rank holding an inf/NaN; -1 if none */
 } halfstep_report;
+
+/** The words of a step's totals record (halfstep::StepTotals): reduce the first
+ *  HALFSTEP_TOTALS_SUM_WORDS with SUM and the next HALFSTEP_TOTALS_MAX_WORDS with MAX, as
+ *  unsigned 64-bit integers. */
+#define HALFSTEP_TOTALS_SUM_WORDS 23
+#define HALFSTEP_TOTALS_MAX_WORDS 2
 
 /** The optimizer's own state (halfstep::OptimizerState): loss scaler, spike detector, counters. */
 typedef struct halfstep_state {
@@ -117,11 +127,25 @@ void halfstep_group_init(halfstep_group* group);
 halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
                                 const halfstep_group* groups, int32_t n_groups,
                                 const halfstep_config* config, halfstep_optimizer** out);
+/** The same, as rank `rank` of a multi-rank step (halfstep::Distributed): each step all-reduces
+ *  its totals over the n_comms NCCL communicators (ncclComm_t) in `comms` (may be 0: reduce with
+ *  halfstep_step_local / halfstep_step_finish instead). */
+halfstep_status halfstep_create_distributed(const halfstep_tensor* tensors, int64_t n_tensors,
+                                            const halfstep_group* groups, int32_t n_groups,
+                                            const halfstep_config* config, int32_t rank,
+                                            void* const* comms, int32_t n_comms, halfstep_optimizer** out);
 /** Releases the optimizer (NULL is fine). */
 void halfstep_destroy(halfstep_optimizer* opt);
 
 /** Enqueues one step on `stream` (a cudaStream_t; NULL: the default stream). */
 halfstep_status halfstep_step(halfstep_optimizer* opt, void* stream);
+/** The two halves of a step for callers that all-reduce the totals record themselves: pass 1
+ *  and this rank's record (halfstep_device_totals), then the decision and the update. */
+halfstep_status halfstep_step_local(halfstep_optimizer* opt, void* stream);
+halfstep_status halfstep_step_finish(halfstep_optimizer* opt, void* stream);
+/** The totals record: HALFSTEP_TOTALS_SUM_WORDS + HALFSTEP_TOTALS_MAX_WORDS words of device
+ *  memory (host memory for the reference backend). NULL on error. */
+uint64_t* halfstep_device_totals(halfstep_optimizer* opt);
 /** The last step's report; waits for that step. */
 halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* out);
 /** Per-tensor inf/NaN counts of the last step into out[0 .. n_tensors). */
