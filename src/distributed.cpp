@@ -95,9 +95,8 @@ std::pair<std::int64_t, std::int64_t> even_shard(std::int64_t numel, std::int32_
   detail::require(numel >= 0, "numel must be >= 0, got ", numel);
   detail::require(ranks >= 1, "ranks must be >= 1, got ", ranks);
   detail::require(rank >= 0 && rank < ranks, "rank must be in [0, ", ranks, "), got ", rank);
-  const std::int64_t base = numel / ranks, extra = numel % ranks;
-  const std::int64_t begin = rank * base + std::min<std::int64_t>(rank, extra);
-  return {begin, begin + base + (rank < extra ? 1 : 0)};
+  const std::int64_t chunk = numel / ranks + (numel % ranks != 0 ? 1 : 0);
+  return {std::min(numel, rank * chunk), std::min(numel, (rank + 1) * chunk)};
 }
 
 namespace detail {

@@ -11,6 +11,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "trainer.hpp"
 
@@ -83,8 +84,7 @@ class NcclRanks final : public Trainer {
       check(cudaSetDevice(r), "cudaSetDevice");
       s.device = r;
       s.comm = comms[static_cast<std::size_t>(r)];
-      s.begin = std::min(total_, r * per_rank_);
-      s.end = std::min(total_, (r + 1) * per_rank_);
+      std::tie(s.begin, s.end) = halfstep::even_shard(total_, n, r);  // chunks of per_rank_
       const auto len = static_cast<std::size_t>(per_rank_);
       s.master = device_buffer<float>(len);
       s.exp_avg = device_buffer<float>(len);

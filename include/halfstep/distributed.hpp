@@ -87,8 +87,11 @@ struct Shard {
 Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
             const ParamTensor& flat);
 
-/// The range [begin, end) rank `rank` of `ranks` holds when `numel` elements are split in order,
-/// as evenly as possible (the first numel % ranks ranks hold one more).
+/// The range [begin, end) rank `rank` of `ranks` holds when `numel` elements are split in order
+/// into chunks of ceil(numel / ranks): [rank·chunk, (rank + 1)·chunk), cut at numel. Every rank's
+/// range starts at a multiple of the chunk, so collectives over the flat space use `chunk`
+/// elements per rank (ncclReduceScatter, ncclAllGather), with flat buffers padded to
+/// ranks·chunk; the last ranks' ranges are shorter (or empty).
 std::pair<std::int64_t, std::int64_t> even_shard(std::int64_t numel, std::int32_t ranks, std::int32_t rank);
 
 }  // namespace halfstep

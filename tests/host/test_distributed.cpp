@@ -157,7 +157,9 @@ TEST_CASE("shard cuts tensors anywhere and names where each piece came from", "[
   CHECK_THROWS_WITH(shard(layout, 6, 16, flat.view()), Catch::Contains("must lie in the parameter space"));
   CHECK_THROWS_WITH(shard(layout, 6, 12, flat.view()), Catch::Contains("flat.numel must be end - begin = 6"));
   CHECK(even_shard(10, 3, 0) == std::make_pair<std::int64_t, std::int64_t>(0, 4));
-  CHECK(even_shard(10, 3, 2) == std::make_pair<std::int64_t, std::int64_t>(7, 10));
+  CHECK(even_shard(10, 3, 1) == std::make_pair<std::int64_t, std::int64_t>(4, 8));
+  CHECK(even_shard(10, 3, 2) == std::make_pair<std::int64_t, std::int64_t>(8, 10));
+  CHECK(even_shard(2, 3, 2) == std::make_pair<std::int64_t, std::int64_t>(2, 2));  // empty
   CHECK_THROWS_WITH(even_shard(10, 3, 3), Catch::Contains("rank must be in [0, 3)"));
 }
 

@@ -5,12 +5,15 @@
 // Semantics kept from NCCL: communicators are created collectively (ncclCommInitRank blocks until
 // every rank has joined); a collective is matched across ranks by order of issue; operations
 // between ncclGroupStart and ncclGroupEnd run at ncclGroupEnd; buffers must be device memory;
-// reductions are elementwise over the ranks' buffers, in place or not; a collective is ordered
-// after the work enqueued before it on its stream, and the work enqueued after it sees its result.
+// reductions are elementwise over the ranks' buffers (16-bit floats in fp32, rounded once), in
+// place or not; a collective is ordered after the work enqueued before it on its stream, and the
+// work enqueued after it sees its result.
 // What differs: a collective runs synchronously on the calling thread (after waiting for its
 // stream), so it cannot be captured in a CUDA graph (ncclInvalidUsage), and one thread cannot
 // drive several ranks of one communicator. A rank that waits more than 60 s for the others
 // fails with ncclSystemError instead of hanging.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -88,6 +91,7 @@ std::map<std::string, Pending> g_pending;
 std::size_t type_size(ncclDataType_t t) {
   switch (t) {
     case ncclInt8: case ncclUint8: return 1;
+    case ncclFloat16: case ncclBfloat16: return 2;
     case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
     case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
     default: return 0;
@@ -102,6 +106,7 @@ void reduce_into(T* acc, const T* x, std::size_t n, ncclRedOp_t op) {
       case ncclProd: acc[i] = static_cast<T>(acc[i] * x[i]); break;
       case ncclMax: acc[i] = acc[i] < x[i] ? x[i] : acc[i]; break;
       case ncclMin: acc[i] = x[i] < acc[i] ? x[i] : acc[i]; break;
+      case ncclAvg: acc[i] = static_cast<T>(acc[i] + x[i]); break;  // divided after the last rank
       default: break;
     }
   }
@@ -119,6 +124,15 @@ void reduce_typed(void* acc, const void* x, std::size_t n, ncclDataType_t t, ncc
     case ncclFloat64: reduce_into(static_cast<double*>(acc), static_cast<const double*>(x), n, op); break;
     default: break;
   }
+}
+
+// 16-bit floats are reduced in fp32 and rounded once to nearest even at the end.
+float widen(ncclDataType_t t, std::uint16_t bits) {
+  return t == ncclFloat16 ? __half2float(__ushort_as_half(bits))
+                          : __bfloat162float(__ushort_as_bfloat16(bits));
+}
+std::uint16_t narrow(ncclDataType_t t, float x) {
+  return t == ncclFloat16 ? __half_as_ushort(__float2half_rn(x)) : __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
 // Fills g.result from every rank's call (the last rank to arrive does this, under the lock).
@@ -139,9 +153,42 @@ void combine_calls(Group& g) {
     case Kind::all_reduce:
     case Kind::reduce_scatter: {
       const std::size_t total = first.kind == Kind::all_reduce ? first.count : first.count * n;
+      if (first.type == ncclFloat16 || first.type == ncclBfloat16) {
+        std::vector<float> acc(total);
+        for (std::size_t r = 0; r < n; ++r) {
+          const auto* x = static_cast<const std::uint16_t*>(g.calls[r].send);
+          for (std::size_t i = 0; i < total; ++i) {
+            const float v = widen(first.type, x[i]);
+            if (r == 0) {
+              acc[i] = v;
+            } else if (first.op == ncclSum || first.op == ncclAvg) {
+              acc[i] += v;
+            } else if (first.op == ncclProd) {
+              acc[i] *= v;
+            } else if (first.op == ncclMax) {
+              acc[i] = acc[i] < v ? v : acc[i];
+            } else {
+              acc[i] = v < acc[i] ? v : acc[i];
+            }
+          }
+        }
+        g.result.resize(total * 2);
+        for (std::size_t i = 0; i < total; ++i) {
+          const float v = first.op == ncclAvg ? acc[i] / static_cast<float>(n) : acc[i];
+          const std::uint16_t b = narrow(first.type, v);
+          std::memcpy(g.result.data() + 2 * i, &b, 2);
+        }
+        break;
+      }
       g.result.assign(static_cast<const unsigned char*>(first.send),
                       static_cast<const unsigned char*>(first.send) + total * size);
       for (std::size_t r = 1; r < n; ++r) reduce_typed(g.result.data(), g.calls[r].send, total, first.type, first.op);
+      if (first.op == ncclAvg) {
+        for (std::size_t i = 0; i < total; ++i) {
+          if (first.type == ncclFloat32) reinterpret_cast<float*>(g.result.data())[i] /= static_cast<float>(n);
+          if (first.type == ncclFloat64) reinterpret_cast<double*>(g.result.data())[i] /= static_cast<double>(n);
+        }
+      }
       break;
     }
     case Kind::all_gather:
@@ -220,8 +267,12 @@ ncclResult_t issue(ncclComm* comm, const Call& call, std::size_t send_elems, std
   if (comm == nullptr || comm->group == nullptr) return fail(ncclInvalidArgument, "null communicator");
   const std::size_t size = type_size(call.type);
   if (size == 0) return fail(ncclInvalidArgument, "data type not supported by the emulated NCCL");
-  if (call.kind != Kind::all_gather && (call.op < ncclSum || call.op > ncclMin)) {
+  if (call.kind != Kind::all_gather && (call.op < ncclSum || call.op > ncclAvg)) {
     return fail(ncclInvalidArgument, "reduction op not supported by the emulated NCCL");
+  }
+  if (call.kind != Kind::all_gather && call.op == ncclAvg && call.type != ncclFloat16 &&
+      call.type != ncclBfloat16 && call.type != ncclFloat32 && call.type != ncclFloat64) {
+    return fail(ncclInvalidArgument, "ncclAvg needs a floating-point type");
   }
   if (!device_buffer(call.send, send_elems * size) || !device_buffer(call.recv, recv_elems * size)) {
     return fail(ncclInvalidArgument, "send and receive buffers must be device memory");
