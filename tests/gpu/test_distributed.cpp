@@ -237,3 +237,44 @@ TEST_CASE("gpu N ranks over NCCL with sharded state step bitwise like one rank",
   check_against_one(c, run_ranks_nccl(c, even, Reduce::caller), run_one(c));
   CHECK(ran >= 1);
 }
+
+#if !defined(HALFSTEP_EMULATED)
+// The emulator's NCCL cannot be captured; real NCCL can. (Skipped without a GPU.)
+TEST_CASE("gpu a one-rank NCCL step captured in a CUDA graph replays like eager steps", "[gpu][distributed][nccl][graph]") {
+  HostModel h = random_model(1500, {5000, 70000, 3}, 1024.0f);
+  DeviceModel captured_dev(h), eager_dev(h);
+  const StepConfig c = config_for(DType::f16, DType::f16, 1024.0f, 1.0f);
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  ncclComm_t comm = nullptr;
+  REQUIRE(ncclCommInitRank(&comm, 1, id, 0) == ncclSuccess);
+  cudaStream_t stream = nullptr;
+  GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  {
+    FusedAdamW captured(captured_dev.views(), c, Distributed{0, {comm}});
+    FusedAdamW eager(eager_dev.views(), c);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    GPU_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    captured.step(stream);
+    GPU_CHECK(cudaStreamEndCapture(stream, &graph));
+    GPU_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 10; ++i) {
+      GPU_CHECK(cudaGraphLaunch(exec, stream));
+      eager.step();
+    }
+    GPU_CHECK(cudaStreamSynchronize(stream));
+    const StepReport a = captured.last_report(), b = eager.last_report();
+    CHECK(a.attempt == 10);
+    CHECK(same_bits(a.grad_norm, b.grad_norm));
+    CHECK(a.step == b.step);
+    CHECK(captured.state() == eager.state());
+    const HostModel x = captured_dev.download(h), y = eager_dev.download(h);
+    for (std::size_t t = 0; t < x.tensors.size(); ++t) CHECK(x.tensors[t] == y.tensors[t]);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+  ncclCommDestroy(comm);
+}
+#endif
