@@ -2,7 +2,8 @@
 # The whole GPU verification in one call, for a machine with a GPU and no network:
 #   build (gpu preset), every GPU test including [large], compute-sanitizer (memcheck, racecheck,
 #   initcheck, synccheck) on the GPU tests at reduced sizes, the benchmark (short configuration),
-#   bench/compare_torch.py when PyTorch is importable, and a short halfstep-train run on the GPU.
+#   bench/compare_torch.py when PyTorch is importable, a short halfstep-train run on the GPU, the
+#   NCCL tests alone, and halfstep-train --ranks over every visible GPU.
 # Logs go under LOG_DIR; a table of results is printed last. Exits non-zero if anything failed.
 #
 # usage: bench/gpu_check.sh LOG_DIR
@@ -58,6 +59,16 @@ case $rc in
   *) record "GPU tests (all, incl. [large])" FAIL "$summary (gpu_tests.log)" ;;
 esac
 
+# --- the NCCL tests alone: one rank (eager and captured), and 2+ ranks where there are 2+ GPUs -----
+"$bin/tests/halfstep_gpu_tests" "[nccl]" > "$logs/nccl_tests.log" 2>&1
+rc=$?
+summary=$(grep -E "^(All tests passed|test cases:)|SKIPPED" "$logs/nccl_tests.log" | tr '\n' ' ')
+case $rc in
+  0) record "NCCL tests ([nccl])" ok "$summary" ;;
+  77) record "NCCL tests ([nccl])" partial "$summary" ;;
+  *) record "NCCL tests ([nccl])" FAIL "$summary (nccl_tests.log)" ;;
+esac
+
 # --- host tests (quick: everything but the training scenarios) --------------------------------------
 if ctest --test-dir "$bin" -L host -j "$jobs" > "$logs/host_tests.log" 2>&1; then
   record "host tests" ok "$(grep -E 'tests passed' "$logs/host_tests.log")"
@@ -108,6 +119,20 @@ if "$bin/examples/halfstep-train" --steps 2000 --trace "$logs/train_gpu.csv" > "
   record "halfstep-train (GPU, 2000 steps)" ok "$(grep -E '^done|loss .* over the last' "$logs/train_gpu.log" | tr '\n' ' ')"
 else
   record "halfstep-train (GPU, 2000 steps)" FAIL "train_gpu.log"
+fi
+
+# --- data parallelism in the main job: one rank per GPU over NCCL, every rank's trace identical -------
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+ranks=$(( gpus < 2 ? 1 : gpus ))
+if "$bin/examples/halfstep-train" --steps 300 --quiet --ranks "$ranks" --trace "$logs/train_ranks.csv" \
+     > "$logs/train_ranks.log" 2>&1; then
+  same=ok
+  for ((r = 1; r < ranks; ++r)); do
+    cmp -s "$logs/train_ranks.csv" "$logs/train_ranks.rank$r.csv" || same=FAIL
+  done
+  record "halfstep-train --ranks $ranks (NCCL)" "$same" "$(grep -E '^done' "$logs/train_ranks.log")"
+else
+  record "halfstep-train --ranks $ranks (NCCL)" FAIL "train_ranks.log"
 fi
 
 # --- the table -----------------------------------------------------------------------------------------

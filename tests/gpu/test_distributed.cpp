@@ -278,3 +278,92 @@ TEST_CASE("gpu a one-rank NCCL step captured in a CUDA graph replays like eager 
   ncclCommDestroy(comm);
 }
 #endif
+
+TEST_CASE("gpu two communicators (data- and tensor-parallel) reduce over every rank, a replicated tensor counted once",
+          "[gpu][distributed][nccl][multi_gpu]") {
+  if (rank_capacity() < 4) {
+    skip_test("needs 4 ranks (found " + std::to_string(rank_capacity()) + " GPUs)");
+    return;
+  }
+  // A flat space sharded over 4 ranks, plus a tensor R held whole by ranks 0 and 1 (replicated
+  // across their tensor-parallel group) and counted by rank 0 only. Communicators: {0,1}, {2,3}
+  // (tensor-parallel) then {0,2}, {1,3} (data-parallel); reduced in turn they cover all four.
+  ShardedCase c = ShardedCase::make(1600, DType::f16, 40, 1500);
+  const ShardedCase extra = ShardedCase::make(1601, DType::f16, 40, 300);
+  const std::int64_t r_numel = extra.numel();
+  // The unsharded model: the flat space, then R.
+  ShardedCase whole = c;
+  halfstep::ParamTensor r_shape;
+  r_shape.numel = r_numel;
+  whole.layout.push_back(r_shape);
+  auto append = [](FlatBuffers& to, const FlatBuffers& from) {
+    to.master.insert(to.master.end(), from.master.begin(), from.master.end());
+    to.exp_avg.insert(to.exp_avg.end(), from.exp_avg.begin(), from.exp_avg.end());
+    to.exp_avg_sq.insert(to.exp_avg_sq.end(), from.exp_avg_sq.begin(), from.exp_avg_sq.end());
+    to.grad.insert(to.grad.end(), from.grad.begin(), from.grad.end());
+    to.model.insert(to.model.end(), from.model.begin(), from.model.end());
+  };
+  append(whole.initial, extra.initial);
+  for (std::size_t s = 0; s < whole.grads.size(); ++s) {
+    whole.grads[s].insert(whole.grads[s].end(), extra.grads[s].begin(), extra.grads[s].end());
+  }
+  const auto one = run_one(whole);
+
+  ncclUniqueId tp_id[2], dp_id[2];
+  for (auto& id : tp_id) REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  for (auto& id : dp_id) REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  std::vector<std::vector<StepReport>> reports(4);
+  std::vector<FlatBuffers> shards(4), replicas(2);
+  run_ranks(4, [&](int r) {
+    must(cudaSetDevice(device_of(r)), "cudaSetDevice");
+    ncclComm_t tp = nullptr, dp = nullptr;
+    must(ncclCommInitRank(&tp, 2, tp_id[r / 2], r % 2), "ncclCommInitRank");
+    must(ncclCommInitRank(&dp, 2, dp_id[r % 2], r / 2), "ncclCommInitRank");
+    cudaStream_t stream = nullptr;
+    must(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    {
+      const auto [begin, end] = even_shard(c.numel(), 4, r);
+      DeviceFlat flat(c.initial.slice(begin, end));
+      std::vector<ParamTensor> tensors = shard(c.layout, begin, end, flat.view()).tensors;
+      std::unique_ptr<DeviceFlat> replica;
+      if (r < 2) {  // R, whole, on ranks 0 and 1; only rank 0 counts it
+        replica = std::make_unique<DeviceFlat>(extra.initial);
+        ParamTensor p = replica->view();
+        p.in_norm = r == 0;
+        tensors.push_back(p);
+      }
+      FusedAdamW opt(tensors, c.config, Distributed{r, {tp, dp}});
+      std::vector<std::uint16_t> g(static_cast<std::size_t>(end - begin));
+      for (std::size_t s = 0; s < c.grads.size(); ++s) {
+        std::copy(c.grads[s].begin() + begin, c.grads[s].begin() + end, g.begin());
+        flat.grad.put(g);
+        if (replica) replica->grad.put(extra.grads[s]);
+        opt.step(stream);
+        reports[static_cast<std::size_t>(r)].push_back(opt.last_report());
+      }
+      must(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      shards[static_cast<std::size_t>(r)] = flat.download();
+      if (replica) replicas[static_cast<std::size_t>(r)] = replica->download();
+    }
+    cudaStreamDestroy(stream);
+    ncclCommDestroy(tp);
+    ncclCommDestroy(dp);
+  });
+  for (std::size_t s = 0; s < c.grads.size(); ++s) {
+    for (int r = 0; r < 4; ++r) {
+      const StepReport& got = reports[static_cast<std::size_t>(r)][s];
+      const StepReport& want = one.first[s];
+      CAPTURE(s, r);
+      REQUIRE(same_bits(got.grad_norm, want.grad_norm));
+      REQUIRE(got.outcome == want.outcome);
+      REQUIRE(got.numel == want.numel);
+      REQUIRE(got.scale_next == want.scale_next);
+      REQUIRE(got.max_abs_scaled == want.max_abs_scaled);
+    }
+  }
+  FlatBuffers joined;
+  for (const FlatBuffers& f : shards) append(joined, f);
+  append(joined, replicas[0]);
+  CHECK(joined == one.second);
+  CHECK(replicas[1] == replicas[0]);  // both holders of R applied the same update
+}
