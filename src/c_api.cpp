@@ -269,6 +269,14 @@ const float* halfstep_device_loss_scale(halfstep_optimizer* opt) {
   return opt->opt.device_loss_scale();
 }
 
+const int64_t* halfstep_device_step_count(halfstep_optimizer* opt) {
+  if (opt == nullptr) {
+    fail(HALFSTEP_ERROR_INVALID_ARGUMENT, "opt must not be NULL");
+    return nullptr;
+  }
+  return opt->opt.device_step_count();
+}
+
 halfstep_status halfstep_step_count(halfstep_optimizer* opt, int64_t* applied, int64_t* attempts) {
   return guarded([&] {
     require(opt != nullptr && applied != nullptr && attempts != nullptr,

@@ -224,6 +224,7 @@ class CudaImpl final : public FusedAdamW::Impl {
   }
 
   const float* device_loss_scale() const override { return &d_state_->scaler.scale; }
+  const std::int64_t* device_step_count() const override { return &d_state_->step; }
 
   OptimizerState state() override {
     wait_last_step();

@@ -78,6 +78,7 @@ class ReferenceImpl final : public FusedAdamW::Impl {
     return &config_.groups[static_cast<std::size_t>(group)].lr;
   }
   const float* device_loss_scale() const override { return &state_.scaler.scale; }
+  const std::int64_t* device_step_count() const override { return &state_.step; }
   OptimizerState state() override { return state_; }
   std::vector<float> learning_rates() override {
     std::vector<float> lr;
@@ -159,6 +160,7 @@ std::vector<std::int64_t> FusedAdamW::nonfinite_counts() { return impl().nonfini
 void FusedAdamW::set_lr(std::int32_t group, float lr, Stream stream) { impl().set_lr(group, lr, stream); }
 float* FusedAdamW::device_lr(std::int32_t group) { return impl().device_lr(group); }
 const float* FusedAdamW::device_loss_scale() const { return impl().device_loss_scale(); }
+const std::int64_t* FusedAdamW::device_step_count() const { return impl().device_step_count(); }
 float FusedAdamW::loss_scale() { return impl().state().scaler.scale; }
 OptimizerState FusedAdamW::state() { return impl().state(); }
 std::vector<float> FusedAdamW::learning_rates() { return impl().learning_rates(); }

@@ -19,6 +19,7 @@ struct FusedAdamW::Impl {
   virtual void set_lr(std::int32_t group, float lr, Stream stream) = 0;
   virtual float* device_lr(std::int32_t group) = 0;
   virtual const float* device_loss_scale() const = 0;
+  virtual const std::int64_t* device_step_count() const = 0;
   virtual OptimizerState state() = 0;
   /// The learning rate of each group as the next step will read it (waits for the last step).
   virtual std::vector<float> learning_rates() = 0;

@@ -88,6 +88,7 @@ int halfstep_c_api_exercise(const char* dir) {
   CHECK(27, *halfstep_device_loss_scale(opt) == 1024.0f);
   CHECK(28, halfstep_step_count(opt, &applied, &attempts) == HALFSTEP_OK && applied == 1 && attempts == 1);
   CHECK(29, halfstep_get_state(opt, &state) == HALFSTEP_OK && state.scale == 1024.0f && state.step == 1);
+  CHECK(19, halfstep_device_step_count(opt) != NULL && *halfstep_device_step_count(opt) == 1);
 
   /* An overflow names its tensor. */
   grad[1][5] = 0x7C00;

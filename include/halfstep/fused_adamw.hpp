@@ -114,6 +114,11 @@ class FusedAdamW {
   /// it in stream order. Backend::reference: host memory.
   const float* device_loss_scale() const;
 
+  /// Device memory holding the applied-step counter (the Adam t, int64), which each applied step
+  /// advances in stream order: schedules computed on the device can follow applied steps only.
+  /// Backend::reference: host memory.
+  const std::int64_t* device_step_count() const;
+
   /// The loss scale for the next step; waits for the last step.
   float loss_scale();
 

@@ -164,6 +164,9 @@ halfstep_status halfstep_sizes(halfstep_optimizer* opt, int64_t* n_tensors, int3
 halfstep_status halfstep_loss_scale(halfstep_optimizer* opt, float* out);
 /** Device memory holding the loss scale (host memory for the reference backend); NULL on error. */
 const float* halfstep_device_loss_scale(halfstep_optimizer* opt);
+/** Device memory holding the applied-step counter (int64, the Adam t) that each applied step
+ *  advances in stream order (host memory for the reference backend); NULL on error. */
+const int64_t* halfstep_device_step_count(halfstep_optimizer* opt);
 /** Applied steps and attempts so far; waits for the last step. */
 halfstep_status halfstep_step_count(halfstep_optimizer* opt, int64_t* applied, int64_t* attempts);
 /** The whole optimizer state; waits for the last step. */
