@@ -4,7 +4,7 @@
 set -euo pipefail
 packages=(cmake ninja-build g++ catch2 libbenchmark-dev libopenblas-dev pkg-config
           libboost-context-dev zlib1g-dev nlohmann-json3-dev libcli11-dev clang libclang-rt-14-dev
-          python3 python3-numpy python3-matplotlib python3-venv)
+          python3 python3-numpy python3-matplotlib python3-venv python3-torch python3-pytest)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -30,6 +30,11 @@ if ! "$root/.venv/bin/python" -c "import safetensors, numpy" >/dev/null 2>&1; th
   echo "creating $root/.venv with safetensors"
   /usr/bin/python3 -m venv --system-site-packages "$root/.venv"
   "$root/.venv/bin/pip" install -q --disable-pip-version-check safetensors
+fi
+# scikit-build-core (PyPI) builds the Python package (pip install --no-build-isolation .); the
+# package's tests use Debian's PyTorch (CPU) and pytest, which the environment sees.
+if ! "$root/.venv/bin/python" -c "import scikit_build_core" >/dev/null 2>&1; then
+  "$root/.venv/bin/pip" install -q --disable-pip-version-check scikit-build-core
 fi
 if ! ls "$root"/.venv/lib/python3*/site-packages/nvidia/*/bin/nvdisasm >/dev/null 2>&1; then
   "$root/.venv/bin/pip" install -q --disable-pip-version-check nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm ||

@@ -1,0 +1,200 @@
+"""halfstep: the optimizer end of mixed-precision training — an inf/NaN check that skips the whole
+step, the global norm, unscale, clip, AdamW on fp32 masters and the fp16/bf16 model copy, in two
+fused passes, with a dynamic loss scaler on the device.
+
+This package wraps libhalfstep's C API (ctypes, no PyTorch ABI): `Optimizer` takes raw buffer
+addresses. `halfstep.torch.FusedAdamW` is the torch.optim optimizer built on it (needs PyTorch).
+"""
+
+import ctypes as _C
+
+from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, SKIPPED_NONFINITE_UPDATE,
+                   SKIPPED_OVERFLOW, SKIPPED_SPIKE, TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group,
+                   HalfstepError, Report, State, Tensor, check, lib, library_path)
+
+__all__ = ["Optimizer", "HalfstepError", "version", "config", "group", "report_dict", "SCALER_OPTIONS",
+           "SPIKE_OPTIONS"]
+
+
+def version():
+    """The library's version, "MAJOR.MINOR.PATCH"."""
+    return lib.halfstep_version().decode()
+
+
+__version__ = version()
+
+# ScalerConfig and SpikeConfig fields by their library names (docs/design.md).
+SCALER_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale",
+                  "growth_interval", "hysteresis", "consecutive_hysteresis", "headroom_growth",
+                  "headroom_margin_log2")
+SPIKE_OPTIONS = ("enabled", "z_threshold", "ema_beta", "warmup_steps", "action", "max_consecutive",
+                 "min_std")
+
+
+def config(dtype=F16, backend=BACKEND_CUDA, max_grad_norm=0.0, scaler=None, spike=None, host_driven=False):
+    """A halfstep_config: the library's defaults, then `scaler` and `spike` options by name (a dict,
+    or an object with those attributes). Unknown names raise ValueError."""
+    c = Config()
+    lib.halfstep_config_init(_C.byref(c))
+    c.grad_dtype = c.model_dtype = dtype
+    c.backend = backend
+    c.max_grad_norm = float(max_grad_norm)
+    c.host_driven = 1 if host_driven else 0
+    for name, value in _options(scaler, SCALER_OPTIONS, "scaler").items():
+        setattr(c, name, int(value) if isinstance(getattr(c, name), int) else float(value))
+    for name, value in _options(spike, SPIKE_OPTIONS, "spike").items():
+        if name == "enabled":
+            c.spike_enabled = 1 if value else 0
+        elif name == "action":
+            if value not in ("log", "skip"):
+                raise ValueError("spike action must be 'log' or 'skip', got %r" % (value,))
+            c.spike_skip = 1 if value == "skip" else 0
+        else:
+            field = "spike_" + name
+            setattr(c, field, int(value) if isinstance(getattr(c, field), int) else float(value))
+    return c
+
+
+def _options(given, names, what):
+    if given is None:
+        return {}
+    if isinstance(given, dict):
+        items = dict(given)
+    else:
+        items = {n: getattr(given, n) for n in names if hasattr(given, n)}
+    unknown = sorted(set(items) - set(names))
+    if unknown:
+        raise ValueError("unknown %s option%s %s (known: %s)" % (what, "s" if len(unknown) > 1 else "",
+                                                                 ", ".join(unknown), ", ".join(names)))
+    return items
+
+
+def group(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+          bias_correction=True):
+    """A halfstep_group (AdamWConfig)."""
+    g = Group()
+    lib.halfstep_group_init(_C.byref(g))
+    g.lr, g.beta1, g.beta2, g.eps, g.weight_decay = float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
+    g.decoupled_weight_decay = 1 if decoupled_weight_decay else 0
+    g.bias_correction = 1 if bias_correction else 0
+    return g
+
+
+def report_dict(r):
+    """A Report as a dict, outcome and reason by name."""
+    d = {name: getattr(r, name) for name, _ in Report._fields_}
+    d["outcome"] = lib.halfstep_outcome_name(r.outcome).decode()
+    d["reason"] = lib.halfstep_reason_name(r.reason).decode()
+    d["spike"] = bool(r.spike)
+    return d
+
+
+class Optimizer:
+    """halfstep's FusedAdamW over raw buffers. `tensors` is a list of dicts (or tuples) with the
+    addresses master, grad, exp_avg, exp_avg_sq, model (may be 0), numel, group and optionally
+    in_norm; `groups` a list of `group(...)`; `cfg` a `config(...)`. With `rank` (and NCCL
+    communicators `comms`, ncclComm_t addresses) it is one rank of a multi-rank step."""
+
+    def __init__(self, tensors, groups, cfg, rank=0, comms=()):
+        arr = (Tensor * max(len(tensors), 1))()
+        for i, t in enumerate(tensors):
+            if not isinstance(t, dict):
+                t = dict(zip(("master", "grad", "exp_avg", "exp_avg_sq", "model", "numel", "group"), t))
+            arr[i] = Tensor(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], t.get("model") or 0,
+                            int(t["numel"]), int(t.get("group", 0)), 0 if t.get("in_norm", True) else 1)
+        garr = (Group * max(len(groups), 1))(*groups)
+        carr = (_C.c_void_p * max(len(comms), 1))(*comms)
+        handle = _C.c_void_p()
+        check(lib.halfstep_create_distributed(arr, len(tensors), garr, len(groups), _C.byref(cfg), int(rank),
+                                              carr, len(comms), _C.byref(handle)))
+        self._handle = handle
+        self.n_tensors = len(tensors)
+        self.n_groups = len(groups)
+
+    def close(self):
+        if getattr(self, "_handle", None):
+            lib.halfstep_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        self.close()
+
+    @property
+    def handle(self):
+        if not self._handle:
+            raise HalfstepError(4, "this optimizer was closed")
+        return self._handle
+
+    def step(self, stream=0):
+        check(lib.halfstep_step(self.handle, stream or None))
+
+    def step_local(self, stream=0):
+        check(lib.halfstep_step_local(self.handle, stream or None))
+
+    def step_finish(self, stream=0):
+        check(lib.halfstep_step_finish(self.handle, stream or None))
+
+    def totals_address(self):
+        """Address of the totals record: TOTALS_SUM_WORDS words reduced with SUM, then
+        TOTALS_MAX_WORDS with MAX (uint64)."""
+        p = lib.halfstep_device_totals(self.handle)
+        if not p:
+            check(4)
+        return _C.cast(p, _C.c_void_p).value
+
+    def last_report(self):
+        r = Report()
+        check(lib.halfstep_last_report(self.handle, _C.byref(r)))
+        return report_dict(r)
+
+    def nonfinite_counts(self):
+        out = (_C.c_int64 * max(self.n_tensors, 1))()
+        check(lib.halfstep_nonfinite_counts(self.handle, out, self.n_tensors))
+        return list(out)[:self.n_tensors]
+
+    def set_lr(self, group, lr, stream=0):
+        check(lib.halfstep_set_lr(self.handle, int(group), float(lr), stream or None))
+
+    def learning_rates(self):
+        out = (_C.c_float * max(self.n_groups, 1))()
+        check(lib.halfstep_learning_rates(self.handle, out, self.n_groups))
+        return list(out)[:self.n_groups]
+
+    def _address(self, fn, *args):
+        p = fn(self.handle, *args)
+        if not p:
+            raise HalfstepError(1, lib.halfstep_last_error().decode())
+        return _C.cast(p, _C.c_void_p).value
+
+    def device_lr_address(self, group):
+        """Address of the fp32 learning rate of `group` the next step reads."""
+        return self._address(lib.halfstep_device_lr, int(group))
+
+    def loss_scale_address(self):
+        """Address of the fp32 loss scale the next backward pass uses."""
+        return self._address(lib.halfstep_device_loss_scale)
+
+    def step_count_address(self):
+        """Address of the int64 applied-step counter."""
+        return self._address(lib.halfstep_device_step_count)
+
+    def loss_scale(self):
+        out = _C.c_float()
+        check(lib.halfstep_loss_scale(self.handle, _C.byref(out)))
+        return out.value
+
+    def state(self):
+        s = State()
+        check(lib.halfstep_get_state(self.handle, _C.byref(s)))
+        return {name: getattr(s, name) for name, _ in State._fields_}
+
+    def save_state(self):
+        size = _C.c_size_t()
+        check(lib.halfstep_save_state(self.handle, None, 0, _C.byref(size)))
+        buf = _C.create_string_buffer(size.value)
+        check(lib.halfstep_save_state(self.handle, buf, size.value, _C.byref(size)))
+        return buf.raw[:size.value]
+
+    def load_state(self, data):
+        data = bytes(data)
+        check(lib.halfstep_load_state(self.handle, data, len(data)))

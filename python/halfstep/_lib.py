@@ -1,0 +1,135 @@
+"""The C API of libhalfstep (include/halfstep/halfstep.h) through ctypes: the library, its
+structs and its functions. Nothing here needs PyTorch."""
+
+import ctypes as C
+import os
+
+# Status codes and enums of halfstep.h.
+OK = 0
+ERROR_INVALID_ARGUMENT = 1
+ERROR_CORRUPT_STATE = 2
+ERROR_CUDA = 3
+ERROR_USAGE = 4
+ERROR_INTERNAL = 5
+
+F16, BF16 = 0, 1
+BACKEND_CUDA, BACKEND_REFERENCE = 0, 1
+APPLIED, SKIPPED_OVERFLOW, SKIPPED_SPIKE, SKIPPED_NONFINITE_UPDATE = 0, 1, 2, 3
+
+TOTALS_SUM_WORDS = 23
+TOTALS_MAX_WORDS = 2
+
+
+class Tensor(C.Structure):
+    _fields_ = [("master", C.c_void_p), ("grad", C.c_void_p), ("exp_avg", C.c_void_p),
+                ("exp_avg_sq", C.c_void_p), ("model", C.c_void_p), ("numel", C.c_int64),
+                ("group", C.c_int32), ("exclude_from_norm", C.c_int32)]
+
+
+class Group(C.Structure):
+    _fields_ = [("lr", C.c_float), ("beta1", C.c_float), ("beta2", C.c_float), ("eps", C.c_float),
+                ("weight_decay", C.c_float), ("decoupled_weight_decay", C.c_int32),
+                ("bias_correction", C.c_int32)]
+
+
+class Config(C.Structure):
+    _fields_ = [("grad_dtype", C.c_int32), ("model_dtype", C.c_int32), ("backend", C.c_int32),
+                ("host_driven", C.c_int32), ("max_grad_norm", C.c_float),
+                ("init_scale", C.c_float), ("growth_factor", C.c_float),
+                ("backoff_factor", C.c_float), ("min_scale", C.c_float), ("max_scale", C.c_float),
+                ("growth_interval", C.c_int32), ("hysteresis", C.c_int32),
+                ("consecutive_hysteresis", C.c_int32), ("headroom_growth", C.c_int32),
+                ("headroom_margin_log2", C.c_float), ("spike_enabled", C.c_int32),
+                ("spike_skip", C.c_int32), ("spike_warmup_steps", C.c_int32),
+                ("spike_max_consecutive", C.c_int32), ("spike_z_threshold", C.c_float),
+                ("spike_ema_beta", C.c_float), ("spike_min_std", C.c_float)]
+
+
+class Report(C.Structure):
+    _fields_ = [("attempt", C.c_int64), ("step", C.c_int64), ("outcome", C.c_int32),
+                ("spike", C.c_int32), ("scale_used", C.c_float), ("scale_next", C.c_float),
+                ("grad_norm", C.c_double), ("clip_coef", C.c_float),
+                ("nonfinite_count", C.c_int64), ("first_nonfinite_tensor", C.c_int32),
+                ("max_abs_scaled", C.c_float), ("headroom_log2", C.c_float),
+                ("subnormal_count", C.c_int64), ("zero_count", C.c_int64), ("numel", C.c_int64),
+                ("reason", C.c_int32), ("held_elements", C.c_int64),
+                ("first_nonfinite_rank", C.c_int32)]
+
+
+class State(C.Structure):
+    _fields_ = [("scale", C.c_float), ("good_steps", C.c_int32), ("hysteresis_left", C.c_int32),
+                ("overflows", C.c_int64), ("growths", C.c_int64), ("backoffs", C.c_int64),
+                ("spike_mean", C.c_double), ("spike_var", C.c_double), ("spike_seen", C.c_int64),
+                ("spikes", C.c_int64), ("spike_consecutive", C.c_int64), ("step", C.c_int64),
+                ("attempts", C.c_int64)]
+
+
+def library_path():
+    """Where libhalfstep is: $HALFSTEP_LIBRARY, else next to this package (pip install .)."""
+    env = os.environ.get("HALFSTEP_LIBRARY")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in ("libhalfstep.so", "libhalfstep.dylib", "halfstep.dll"):
+        path = os.path.join(here, name)
+        if os.path.exists(path):
+            return path
+    raise ImportError("libhalfstep is not next to the halfstep package (" + here + "): install the "
+                      "package with 'pip install .' at the repository root, or point "
+                      "HALFSTEP_LIBRARY at a built libhalfstep.so")
+
+
+def _load(path):
+    lib = C.CDLL(path)
+    P = C.c_void_p
+    sig = {
+        "halfstep_version": (C.c_char_p, []),
+        "halfstep_version_number": (C.c_int32, []),
+        "halfstep_outcome_name": (C.c_char_p, [C.c_int32]),
+        "halfstep_reason_name": (C.c_char_p, [C.c_int32]),
+        "halfstep_config_init": (None, [C.POINTER(Config)]),
+        "halfstep_group_init": (None, [C.POINTER(Group)]),
+        "halfstep_create_distributed": (C.c_int, [C.POINTER(Tensor), C.c_int64, C.POINTER(Group), C.c_int32,
+                                                  C.POINTER(Config), C.c_int32, C.POINTER(C.c_void_p), C.c_int32,
+                                                  C.POINTER(P)]),
+        "halfstep_destroy": (None, [P]),
+        "halfstep_step": (C.c_int, [P, P]),
+        "halfstep_step_local": (C.c_int, [P, P]),
+        "halfstep_step_finish": (C.c_int, [P, P]),
+        "halfstep_device_totals": (C.POINTER(C.c_uint64), [P]),
+        "halfstep_last_report": (C.c_int, [P, C.POINTER(Report)]),
+        "halfstep_nonfinite_counts": (C.c_int, [P, C.POINTER(C.c_int64), C.c_int64]),
+        "halfstep_set_lr": (C.c_int, [P, C.c_int32, C.c_float, P]),
+        "halfstep_device_lr": (C.POINTER(C.c_float), [P, C.c_int32]),
+        "halfstep_learning_rates": (C.c_int, [P, C.POINTER(C.c_float), C.c_int32]),
+        "halfstep_loss_scale": (C.c_int, [P, C.POINTER(C.c_float)]),
+        "halfstep_device_loss_scale": (C.POINTER(C.c_float), [P]),
+        "halfstep_device_step_count": (C.POINTER(C.c_int64), [P]),
+        "halfstep_step_count": (C.c_int, [P, C.POINTER(C.c_int64), C.POINTER(C.c_int64)]),
+        "halfstep_get_state": (C.c_int, [P, C.POINTER(State)]),
+        "halfstep_save_state": (C.c_int, [P, P, C.c_size_t, C.POINTER(C.c_size_t)]),
+        "halfstep_load_state": (C.c_int, [P, P, C.c_size_t]),
+        "halfstep_last_error": (C.c_char_p, []),
+    }
+    for name, (restype, argtypes) in sig.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+lib = _load(library_path())
+
+
+class HalfstepError(RuntimeError):
+    """A failed libhalfstep call: `status` is the C API's code, the message names the argument
+    and the rule (halfstep_last_error)."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+def check(status):
+    if status != OK:
+        raise HalfstepError(status, lib.halfstep_last_error().decode())

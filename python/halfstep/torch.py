@@ -1,0 +1,426 @@
+"""halfstep.torch: a torch.optim optimizer for fp16 and bf16 models with fp32 master weights.
+
+    opt = halfstep.torch.FusedAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        (loss * opt.loss_scale).backward()   # the scale lives on the device: no synchronisation
+        opt.step()                           # check, unscale, clip, AdamW, new fp16 weights
+        opt.zero_grad()
+
+The optimizer owns the fp32 masters and Adam moments; after an applied step the parameters hold
+the new weights rounded to their dtype. The gradients live in buffers the optimizer attached to
+the parameters (`.grad`), which autograd accumulates into; step() refuses a `.grad` that was
+replaced. On CUDA tensors the step runs halfstep's fused kernels on the current stream and never
+synchronises (the whole training step can be captured in a CUDA graph); on CPU tensors it runs
+halfstep's reference backend.
+"""
+
+import ctypes as _C
+import math
+
+import torch
+import torch.distributed as _dist
+
+from . import (BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, HalfstepError,
+               Optimizer, config, group, version)
+
+__all__ = ["FusedAdamW"]
+
+_DTYPES = {torch.float16: F16, torch.bfloat16: BF16}
+_SIGN = -(2 ** 63)  # flips an int64's sign bit: unsigned order as signed order
+
+
+class _CudaArray:
+    """A zero-copy view of device memory for torch.as_tensor (__cuda_array_interface__)."""
+
+    def __init__(self, address, typestr, numel):
+        self.__cuda_array_interface__ = {"shape": (numel,), "typestr": typestr, "data": (address, False),
+                                         "version": 2}
+
+
+def _view(address, dtype, device, numel=1):
+    """A tensor over `numel` elements at `address` (device memory on CUDA, host memory on CPU),
+    sharing the memory."""
+    if device.type == "cuda":
+        typestr = {torch.float32: "<f4", torch.int64: "<i8"}[dtype]
+        return torch.as_tensor(_CudaArray(address, typestr, numel), device=device)
+    ctype = {torch.float32: _C.c_float, torch.int64: _C.c_int64}[dtype]
+    return torch.frombuffer((ctype * numel).from_address(address), dtype=dtype)
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW (PyTorch's formula) on fp32 masters for fp16 or bf16 parameters, with halfstep's
+    dynamic loss scaler, inf/NaN check, global-norm clipping and telemetry.
+
+    params: fp16 or bf16 parameters (or param-group dicts with their own lr, betas, eps and
+        weight_decay), all of one dtype, all on the CPU or all on one CUDA device, contiguous,
+        leaves, not sharing storage.
+    max_grad_norm: clip the unscaled global norm to this (0: no clipping).
+    scaler: loss-scaler options by their library names (dict or object): init_scale,
+        growth_factor, backoff_factor, min_scale, max_scale, growth_interval, hysteresis,
+        consecutive_hysteresis, headroom_growth, headroom_margin_log2.
+    spike: spike-detector options: enabled, z_threshold, ema_beta, warmup_steps, action ('log'
+        or 'skip'), max_consecutive, min_std.
+    process_group: a torch.distributed group whose ranks take one step together: they all-reduce
+        the step's totals record (the split step), so every rank takes the same decision with the
+        same global norm, bitwise the same report and scale, however the work is split. The
+        gradients must already be reduced across the ranks (DistributedDataParallel with its
+        default gradient_as_bucket_view=False, or your own all-reduce into .grad).
+    shard: with a process_group, True (the default) shards the optimizer state (ZeRO-1): each rank
+        keeps the masters and moments of a 1/world chunk of the flat parameter space (cut
+        anywhere, also mid-parameter), updates that chunk, and the new parameters are
+        all-gathered. False keeps all of the state on every rank (plain data parallelism): each
+        rank checks all of its gradients, counts its chunk in the norm, and updates everything.
+
+    Only the learning rate may change after construction (schedulers write
+    param_groups[i]["lr"]; step() pushes a change to the device without synchronising); other
+    hyperparameters are fixed, and changing them raises.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, max_grad_norm=0.0,
+                 scaler=None, spike=None, process_group=None, shard=True):
+        self._built = False
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._params = params
+        self._check_params(params)
+        self._dtype = params[0].dtype
+        self._device = params[0].device
+        cuda = self._device.type == "cuda"
+        self._hparams = [self._fixed(g) for g in self.param_groups]
+        self._lrs = [self._lr_of(g, i) for i, g in enumerate(self.param_groups)]
+        groups = [group(lr=self._lrs[i], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                        weight_decay=g["weight_decay"]) for i, g in enumerate(self.param_groups)]
+        cfg = config(dtype=_DTYPES[self._dtype], backend=BACKEND_CUDA if cuda else BACKEND_REFERENCE,
+                     max_grad_norm=max_grad_norm, scaler=scaler, spike=spike)
+        self._group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
+
+        self._pg = process_group
+        self._shard = bool(shard) and process_group is not None
+        if process_group is None:
+            self._world, self._rank = 1, 0
+        else:
+            if not _dist.is_available() or not _dist.is_initialized():
+                raise ValueError("process_group: torch.distributed is not initialised (call "
+                                 "torch.distributed.init_process_group first)")
+            self._world, self._rank = _dist.get_world_size(process_group), _dist.get_rank(process_group)
+
+        # The flat parameter space (parameters in param-group order) and the range each rank owns:
+        # a ceil(total / world) chunk, cut anywhere, also mid-parameter.
+        numels = [p.numel() for p in params]
+        self._offsets = [sum(numels[:i]) for i in range(len(params))]
+        total = sum(numels)
+        self._chunk = -(-total // self._world)
+        # Per rank, what each entry of its halfstep tensor table is: (parameter, offset in it,
+        # length, offset in the rank's chunk, counted in the norm).
+        self._tables = [self._table(numels, r) for r in range(self._world)]
+
+        # Persistent gradient buffers, attached as .grad: autograd accumulates into them in place.
+        self._grads = []
+        with torch.no_grad():
+            for p in params:
+                buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                if p.grad is not None:
+                    buf.copy_(p.grad)
+                p.grad = buf
+                self._grads.append(buf)
+            tensors = self._build_state(params)
+        with (torch.cuda.device(self._device) if cuda else _Nothing()):
+            if cuda:
+                torch.cuda.current_stream(self._device).synchronize()  # the copies above have landed
+            self._opt = Optimizer(tensors, groups, cfg, rank=self._rank)
+        #: The loss scale for the next backward pass: a 0-dim fp32 tensor over the optimizer's own
+        #: memory (on the parameters' device), updated in place by every step.
+        self.loss_scale = _view(self._opt.loss_scale_address(), torch.float32, self._device).view(())
+        #: Applied steps so far (the Adam t): a 0-dim int64 tensor that every applied step
+        #: advances in place, on the device; skipped steps leave it alone.
+        self.applied_steps = _view(self._opt.step_count_address(), torch.int64, self._device).view(())
+        self._totals = _view(self._opt.totals_address(), torch.int64, self._device,
+                             TOTALS_SUM_WORDS + TOTALS_MAX_WORDS)
+        self._built = True
+
+    def _table(self, numels, rank):
+        begin = min(sum(numels), rank * self._chunk)
+        end = min(sum(numels), begin + self._chunk)
+        out, at = [], 0
+        for i, n in enumerate(numels):
+            lo, hi = max(at, begin), min(at + n, end)
+            if self._pg is None:
+                pieces = [(0, n, True)]
+            elif self._shard:
+                pieces = [(lo - at, hi - lo, True)] if lo < hi else []
+            else:
+                # Every rank holds every parameter; each element counts in the norm on one rank only,
+                # the one whose range holds it (its inf/NaN are seen by all).
+                cut = sorted({0, n, min(max(begin - at, 0), n), min(max(end - at, 0), n)})
+                pieces = [(a, b - a, begin <= at + a < end) for a, b in zip(cut, cut[1:]) if b > a]
+            for off, length, in_norm in pieces:
+                out.append((i, off, length, at + off - begin, in_norm))
+            at += n
+        return out
+
+    def _build_state(self, params):
+        """The masters and moments (fp32, from the parameters) and the tensor table over them."""
+        dev, elem = self._device, params[0].element_size()
+        tensors = []
+        if not self._shard:
+            # One master and two moments per parameter; the model copy is the parameter itself.
+            self._masters = [p.detach().float().contiguous().clone() for p in params]
+            self._exp_avg = [torch.zeros_like(m) for m in self._masters]
+            self._exp_avg_sq = [torch.zeros_like(m) for m in self._masters]
+            for i, off, length, _, in_norm in self._tables[self._rank]:
+                tensors.append(dict(master=self._masters[i].data_ptr() + 4 * off,
+                                    grad=self._grads[i].data_ptr() + elem * off,
+                                    exp_avg=self._exp_avg[i].data_ptr() + 4 * off,
+                                    exp_avg_sq=self._exp_avg_sq[i].data_ptr() + 4 * off,
+                                    model=params[i].data_ptr() + elem * off, numel=length,
+                                    group=self._group_of[i], in_norm=in_norm))
+            return tensors
+        # ZeRO-1: this rank's chunk of the flat space, flat; the gradients are read where they are and
+        # the new model chunk is all-gathered into the parameters after each step.
+        n = max(self._chunk, 1)
+        self._masters = [torch.zeros(n, dtype=torch.float32, device=dev)]
+        self._exp_avg = [torch.zeros(n, dtype=torch.float32, device=dev)]
+        self._exp_avg_sq = [torch.zeros(n, dtype=torch.float32, device=dev)]
+        self._model_chunk = torch.zeros(n, dtype=self._dtype, device=dev)
+        self._gathered = torch.zeros(n * self._world, dtype=self._dtype, device=dev)
+        for i, off, length, at, _ in self._tables[self._rank]:
+            src = params[i].detach().reshape(-1)[off:off + length]
+            self._masters[0][at:at + length].copy_(src.float())
+            self._model_chunk[at:at + length].copy_(src)
+            tensors.append(dict(master=self._masters[0].data_ptr() + 4 * at, grad=self._grads[i].data_ptr() + elem * off,
+                                exp_avg=self._exp_avg[0].data_ptr() + 4 * at,
+                                exp_avg_sq=self._exp_avg_sq[0].data_ptr() + 4 * at,
+                                model=self._model_chunk.data_ptr() + elem * at, numel=length,
+                                group=self._group_of[i]))
+        return tensors
+
+    # -- construction checks ---------------------------------------------------------------------
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_built", False):
+            raise ValueError("halfstep.torch.FusedAdamW: parameter groups are fixed at construction "
+                             "(the fused step's tensor table is built once)")
+        super().add_param_group(param_group)
+
+    @staticmethod
+    def _check_params(params):
+        if not params:
+            return
+        dtype, device = params[0].dtype, params[0].device
+        seen = []
+        for i, p in enumerate(params):
+            where = "parameter %d (%s %s)" % (i, tuple(p.shape), p.dtype)
+            if p.dtype not in _DTYPES:
+                raise TypeError("%s: halfstep takes float16 or bfloat16 parameters (their fp32 masters "
+                                "it keeps itself), got %s" % (where, p.dtype))
+            if p.dtype != dtype:
+                raise TypeError("%s: every parameter must have one dtype, parameter 0 is %s" % (where, dtype))
+            if p.device != device:
+                raise ValueError("%s is on %s, parameter 0 on %s: one device per optimizer" % (where, p.device, device))
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError("%s is on %s: halfstep runs on CUDA devices and on the CPU" % (where, device))
+            if not p.is_leaf or not p.requires_grad:
+                raise ValueError("%s must be a leaf that requires grad" % where)
+            if not p.is_contiguous():
+                raise ValueError("%s is not contiguous: halfstep writes the model copy in place" % where)
+            if p.numel() > 0:
+                seen.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i))
+        seen.sort()
+        for (a0, a1, i), (b0, b1, j) in zip(seen, seen[1:]):
+            if b0 < a1:
+                raise ValueError("parameters %d and %d share storage: each needs its own" % (min(i, j), max(i, j)))
+
+    @staticmethod
+    def _fixed(g):
+        return (tuple(float(b) for b in g["betas"]), float(g["eps"]), float(g["weight_decay"]))
+
+    @staticmethod
+    def _lr_of(g, i):
+        lr = g["lr"]
+        if isinstance(lr, torch.Tensor):
+            raise TypeError("param_groups[%d]['lr'] is a tensor: give a number, or write the rate on the "
+                            "device through opt.lr_tensor(%d)" % (i, i))
+        return float(lr)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def _stream(self):
+        return torch.cuda.current_stream(self._device).cuda_stream if self._device.type == "cuda" else 0
+
+    def _prepare(self):
+        for i, (p, buf) in enumerate(zip(self._params, self._grads)):
+            if p.grad is not buf:
+                if p.grad is None:
+                    raise RuntimeError("parameter %d has .grad None: halfstep reads gradients from the buffer it "
+                                       "attached; clear them with this optimizer's zero_grad() (not the module's "
+                                       "zero_grad(set_to_none=True))" % i)
+                raise RuntimeError("parameter %d's .grad was replaced by another tensor: halfstep reads gradients "
+                                   "from the buffer it attached (restore it with opt.zero_grad(), or copy into "
+                                   "p.grad instead of assigning)" % i)
+        stream = self._stream()
+        for i, g in enumerate(self.param_groups):
+            if self._fixed(g) != self._hparams[i]:
+                raise ValueError("param_groups[%d]: betas, eps and weight_decay are fixed at construction; only lr "
+                                 "may change" % i)
+            lr = self._lr_of(g, i)
+            if lr != self._lrs[i]:
+                self._opt.set_lr(i, lr, stream)  # ordered before this step on the stream
+                self._lrs[i] = lr
+        return stream
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step on the current stream: check, unscale, clip, AdamW, model copy. Never waits
+        for the device (CPU tensors: runs at once)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stream = self._prepare()
+        ctx = torch.cuda.device(self._device) if self._device.type == "cuda" else _Nothing()
+        with ctx:
+            if self._pg is None:
+                self._opt.step(stream)
+            else:
+                self._opt.step_local(stream)
+                # The record: SUM over the first words, MAX over the last (as int64: the keys'
+                # sign bit flipped so that signed order is their unsigned order).
+                total, top = self._totals[:TOTALS_SUM_WORDS], self._totals[TOTALS_SUM_WORDS:]
+                top.bitwise_xor_(_SIGN)
+                _dist.all_reduce(total, op=_dist.ReduceOp.SUM, group=self._pg)
+                _dist.all_reduce(top, op=_dist.ReduceOp.MAX, group=self._pg)
+                top.bitwise_xor_(_SIGN)
+                self._opt.step_finish(stream)
+                if self._shard:
+                    self._gather()
+        return loss
+
+    def _gather(self):
+        """Every rank's chunk of the model copy into every parameter."""
+        parts = list(self._gathered.view(torch.uint8).chunk(self._world))
+        _dist.all_gather(parts, self._model_chunk.view(torch.uint8), group=self._pg)
+        flat = self._gathered
+        for p, at in zip(self._params, self._offsets):
+            p.detach().view(-1).copy_(flat[at:at + p.numel()])
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none=True):
+        """Zeros the gradient buffers in place (with either set_to_none: halfstep's kernels hold
+        the buffers, so they stay attached) and re-attaches any that were replaced."""
+        for p, buf in zip(self._params, self._grads):
+            buf.zero_()
+            if p.grad is not buf:
+                p.grad = buf
+
+    # -- what the step reports, and device memory for schedules ---------------------------------
+
+    def last_report(self):
+        """The last step's StepReport as a dict (outcome and reason as strings); waits for that
+        step only. first_nonfinite_tensor is the index of the parameter (in param-group order)."""
+        r = self._opt.last_report()
+        if r["first_nonfinite_tensor"] >= 0:
+            r["first_nonfinite_tensor"] = self._tables[r["first_nonfinite_rank"]][r["first_nonfinite_tensor"]][0]
+        return r
+
+    def lr_tensor(self, group_index):
+        """A 0-dim fp32 tensor over the device memory the next step reads group `group_index`'s
+        learning rate from: a schedule computed on the device writes it (copy_) without a
+        synchronisation. param_groups[i]['lr'] changes still win when step() sees them."""
+        return _view(self._opt.device_lr_address(group_index), torch.float32, self._device).view(())
+
+    def scaler_state(self):
+        """The loss scaler, spike detector and step counters; waits for the last step."""
+        return self._opt.state()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self):
+        """Masters, moments, learning rates and the halfstep state (the scaler, the spike
+        detector, the counters): torch.save writes it, load_state_dict resumes bitwise. With a
+        process_group it holds this rank's shard and is loaded by the same rank of the same world."""
+        groups = []
+        index = 0
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(d)
+        state = {}
+        for i, (m, a, s) in enumerate(zip(self._masters, self._exp_avg, self._exp_avg_sq)):
+            state[i] = {"master": m.detach().clone(), "exp_avg": a.detach().clone(), "exp_avg_sq": s.detach().clone()}
+        return {"state": state, "param_groups": groups,
+                # The library's state as a uint8 tensor: torch.load(weights_only=True) reads it.
+                "halfstep": {"version": version(),
+                             "optimizer_state": torch.frombuffer(bytearray(self._opt.save_state()), dtype=torch.uint8),
+                             "world": self._world, "rank": self._rank}}
+
+    def load_state_dict(self, state_dict):
+        """Restores state_dict(): everything is checked first; a mismatch raises (ValueError, or
+        halfstep.HalfstepError from the library) naming it, and nothing changes."""
+        hs = state_dict.get("halfstep") if isinstance(state_dict, dict) else None
+        if not isinstance(hs, dict) or "optimizer_state" not in hs:
+            raise ValueError("load_state_dict: not a halfstep.torch.FusedAdamW state_dict (no 'halfstep' entry)")
+        if hs.get("world") != self._world or hs.get("rank") != self._rank:
+            raise ValueError("load_state_dict: written by rank %s of %s ranks; this is rank %d of %d" %
+                             (hs.get("rank"), hs.get("world"), self._rank, self._world))
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups):
+            raise ValueError("load_state_dict: %d parameter groups, this optimizer has %d" %
+                             (len(groups), len(self.param_groups)))
+        for i, (saved, mine) in enumerate(zip(groups, self.param_groups)):
+            if len(saved.get("params", [])) != len(mine["params"]):
+                raise ValueError("load_state_dict: param_groups[%d] has %d parameters, this optimizer's %d" %
+                                 (i, len(saved.get("params", [])), len(mine["params"])))
+            if self._fixed(saved) != self._hparams[i]:
+                raise ValueError("load_state_dict: param_groups[%d] has betas, eps or weight_decay %s; this "
+                                 "optimizer's are %s" % (i, self._fixed(saved), self._hparams[i]))
+        state = state_dict.get("state", {})
+        for i, m in enumerate(self._masters):
+            entry = state.get(i)
+            if not isinstance(entry, dict):
+                raise ValueError("load_state_dict: no state for tensor %d" % i)
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                t = entry.get(key)
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != m.shape:
+                    raise ValueError("load_state_dict: state[%d]['%s'] must be a float32 tensor of shape %s" %
+                                     (i, key, tuple(m.shape)))
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError("load_state_dict: state[%d]['%s'] holds inf or NaN: an applied step never "
+                                     "writes one, so this state was not written by a step" % (i, key))
+            if bool((entry["exp_avg_sq"] < 0).any()):
+                raise ValueError("load_state_dict: state[%d]['exp_avg_sq'] holds negative values" % i)
+        blob = hs["optimizer_state"]
+        blob = bytes(blob.tolist()) if isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 else blob
+        if not isinstance(blob, (bytes, bytearray)):
+            raise ValueError("load_state_dict: ['halfstep']['optimizer_state'] must be a uint8 tensor")
+        self._opt.load_state(blob)  # checks the state against the config first
+        with torch.no_grad():
+            for i, (m, a, s) in enumerate(zip(self._masters, self._exp_avg, self._exp_avg_sq)):
+                m.copy_(state[i]["master"])
+                a.copy_(state[i]["exp_avg"])
+                s.copy_(state[i]["exp_avg_sq"])
+            # The parameters are the masters rounded to their dtype (round to nearest even, as the
+            # step writes them), so the model resumes exactly without its own state_dict.
+            if self._shard:
+                self._model_chunk.copy_(self._masters[0])
+                self._gather()
+            else:
+                for p, m in zip(self._params, self._masters):
+                    p.detach().copy_(m.view_as(p))
+        # The device holds the learning rates of the saved optimizer; param_groups get the saved
+        # values, so a change made after its last step is still pushed by the next step.
+        self._lrs = list(self._opt.learning_rates())
+        for mine, saved in zip(self.param_groups, groups):
+            for key, value in saved.items():
+                if key != "params":
+                    mine[key] = value
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
