@@ -1,0 +1,75 @@
+"""One rank of test_distributed.py: FusedAdamW over a gloo process group on the CPU.
+
+usage: dist_worker.py RANK WORLD SHARD(0|1) DTYPE INIT_FILE OUT_FILE"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from halfstep.torch import FusedAdamW
+
+from helpers import fresh_params, scaled_grads
+
+SHAPES = [(7, 5), (33,), (4, 4, 3), (1,)]
+STEPS = 12
+
+
+def flat_position(flat):
+    """(tensor, element) of an index of the flat parameter space."""
+    for t, s in enumerate(SHAPES):
+        n = torch.Size(s).numel()
+        if flat < n:
+            return t, flat
+        flat -= n
+    raise IndexError(flat)
+
+
+def injections(world):
+    """(step, rank that holds it, flat index, value): an inf on the last rank only and a NaN on
+    rank 0 only, each inside the range that rank owns (under ZeRO-1 the other ranks never read it)."""
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    chunk = -(-total // world)
+    last = world - 1
+    return [(3, last, last * chunk + (total - last * chunk) // 2, float("inf")),
+            (6, 0, chunk // 3, float("nan")),
+            (9, last, total - 1, float("-inf"))]
+
+
+def make(dtype, process_group=None, shard=True):
+    params = fresh_params(SHAPES, dtype, seed=1)  # the same weights on every rank
+    opt = FusedAdamW([dict(params=params[:2], lr=1e-2, weight_decay=0.1), dict(params=params[2:], lr=3e-3)],
+                     max_grad_norm=0.5, scaler=dict(init_scale=2.0 ** 10, growth_interval=4),
+                     process_group=process_group, shard=shard)
+    return params, opt
+
+
+def train(params, opt, dtype, rank, world):
+    gen = torch.Generator().manual_seed(2)
+    reports = []
+    for step in range(STEPS):
+        _, grads = scaled_grads(SHAPES, dtype, float(opt.loss_scale), gen, 1e-2)  # as after DDP: the same everywhere
+        for at, holder, flat, value in injections(world):
+            if at == step and holder == rank:
+                t, i = flat_position(flat)
+                grads[t].view(-1)[i] = value
+        for p, g in zip(params, grads):
+            p.grad.copy_(g)
+        opt.step()
+        reports.append(opt.last_report())
+    return reports
+
+
+def main():
+    rank, world, shard = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+    dtype = getattr(torch, sys.argv[4])
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[5], rank=rank, world_size=world)
+    params, opt = make(dtype, dist.group.WORLD, shard)
+    reports = train(params, opt, dtype, rank, world)
+    torch.save({"reports": reports, "params": [p.detach() for p in params], "scaler": opt.scaler_state(),
+                "applied": int(opt.applied_steps)}, sys.argv[6])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

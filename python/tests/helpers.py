@@ -1,0 +1,52 @@
+"""Helpers of the PyTorch tests of the halfstep package.
+
+The tests run against the package in python/ with the library named by HALFSTEP_LIBRARY (CTest
+sets both), or against an installed package (pip install .)."""
+
+import math
+
+
+import torch
+
+U = 2.0 ** -24  # fp32's unit roundoff
+
+
+def fresh_params(shapes, dtype, seed, device="cpu", scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dtype).to(device))
+            for s in shapes]
+
+
+def scaled_grads(shapes, dtype, scale, gen, magnitude):
+    """True (unscaled) gradients in float64 and the fp16/bf16 gradients a scaled backward pass
+    would give: round(g * S)."""
+    true = [torch.randn(s, generator=gen, dtype=torch.float64) * magnitude for s in shapes]
+    return true, [(t * scale).to(dtype) for t in true]
+
+
+def unscaled_clipped(grads16, scale, max_norm):
+    """torch's unscale and clip_grad_norm_ in float64: g / S, times min(1, max_norm / (|g| + 1e-6))."""
+    g = [x.double() / scale for x in grads16]
+    norm = math.sqrt(sum(float((x * x).sum()) for x in g))
+    coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+    return [x * coef for x in g], norm
+
+
+def first_nonfinite(tensors):
+    for i, t in enumerate(tensors):
+        if not bool(torch.isfinite(t).all()):
+            return i
+    return -1
+
+
+def gradscaler_rule(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """torch.amp.GradScaler's update (torch._amp_update_scale_, its CUDA kernel restated; PyTorch
+    1.13's CPU build lacks the op): back off on an overflow, grow after growth_interval clean
+    steps in a row, keep the old scale if the grown one is not finite."""
+    if found_inf:
+        return scale * backoff_factor, 0
+    tracker += 1
+    if tracker == growth_interval:
+        grown = scale * growth_factor
+        return (grown if math.isfinite(grown) else scale), 0
+    return scale, tracker

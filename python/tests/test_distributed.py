@@ -1,0 +1,83 @@
+"""FusedAdamW with a process_group: 2 and 3 processes on gloo (CPU), sharded and replicated."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import dist_worker as W  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch(world, shard, dtype, tmp_path):
+    init = tmp_path / "init"
+    procs, outs = [], []
+    for rank in range(world):
+        out = tmp_path / ("rank%d.pt" % rank)
+        outs.append(out)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dist_worker.py"), str(rank), str(world),
+                                       "1" if shard else "0", dtype, str(init), str(out)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a rank hung: " + "\n".join(logs))
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, "rank %d failed:\n%s" % (rank, logs[rank])
+    return [torch.load(o) for o in outs]
+
+
+def without(report, *keys):
+    return {k: ("nan" if v != v else v) for k, v in report.items() if k not in keys}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_inf_on_one_rank_skips_every_rank_with_one_report(world, shard, dtype, tmp_path):
+    results = launch(world, shard, dtype, tmp_path)
+    # One process, the same gradients, the same inf/NaN at the same places.
+    params, opt = W.make(getattr(torch, dtype))
+    single = []
+    gen = torch.Generator().manual_seed(2)
+    for step in range(W.STEPS):
+        _, grads = W.scaled_grads(W.SHAPES, getattr(torch, dtype), float(opt.loss_scale), gen, 1e-2)
+        for at, _, flat, value in W.injections(world):
+            if at == step:
+                t, i = W.flat_position(flat)
+                grads[t].view(-1)[i] = value
+        for p, g in zip(params, grads):
+            p.grad.copy_(g)
+        opt.step()
+        single.append(opt.last_report())
+
+    skipped = {at for at, _, _, _ in W.injections(world)}
+    for rank, r in enumerate(results):
+        # Every rank: bitwise the same reports (held_elements counts the rank's own elements).
+        assert [without(x, "held_elements") for x in r["reports"]] == \
+            [without(x, "held_elements") for x in results[0]["reports"]], rank
+        assert r["scaler"] == results[0]["scaler"]
+        assert [x["outcome"] != "applied" for x in r["reports"]] == [k in skipped for k in range(W.STEPS)]
+        for (at, holder, flat, _) in W.injections(world):
+            rep = r["reports"][at]
+            assert rep["first_nonfinite_rank"] == holder and rep["nonfinite_count"] == 1
+            assert rep["first_nonfinite_tensor"] == W.flat_position(flat)[0]
+        # The global norm is exact: the same bits as on one process, whatever the split; so are
+        # the new weights.
+        assert [x["grad_norm"] for x in r["reports"] if x["outcome"] == "applied"] == \
+            [x["grad_norm"] for x in single if x["outcome"] == "applied"]
+        assert all(torch.equal(a, b.detach()) for a, b in zip(r["params"], params)), rank
+        assert r["applied"] == int(opt.applied_steps) == W.STEPS - len(skipped)
+    assert [without(x, "first_nonfinite_rank", "held_elements") for x in results[0]["reports"]] == \
+        [without(x, "first_nonfinite_rank", "held_elements") for x in single]

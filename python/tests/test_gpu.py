@@ -1,0 +1,125 @@
+"""halfstep.torch.FusedAdamW on a CUDA device: the fused kernels from PyTorch, eager and captured in
+a CUDA graph with the forward and backward passes. Skipped where PyTorch sees no GPU;
+bench/gpu_check.sh runs them where it does."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("PyTorch sees no CUDA device", allow_module_level=True)
+
+from halfstep.torch import FusedAdamW  # noqa: E402
+
+from helpers import U, first_nonfinite, fresh_params, scaled_grads  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16]
+SHAPES = [(300, 7), (1,), (4097,), (64, 33)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_step_agrees_with_the_cpu_step(dtype):
+    # The same start and gradients on both backends: identical decisions, scales and norms (the
+    # norm is exact on both), masters within a bound. The CPU step computes in double and rounds
+    # once; the device computes in fp32, about 12 roundings on the update's path (u each, with
+    # ~10u more from the fp32 moments it reads), so per applied step the masters may part by
+    # u·|w| + lr·|Δ|·24u with |Δ| ≤ 3.2 for these betas: below u·|w| + lr·2^-16 (as in
+    # test_torch.py), accumulated over the steps.
+    cpu_params = fresh_params(SHAPES, dtype, seed=21)
+    gpu_params = fresh_params(SHAPES, dtype, seed=21, device="cuda")
+    kw = dict(lr=1e-2, weight_decay=0.05, max_grad_norm=0.5, scaler=dict(init_scale=2.0 ** 12, growth_interval=5))
+    cpu, gpu = FusedAdamW(cpu_params, **kw), FusedAdamW(gpu_params, **kw)
+    gen = torch.Generator().manual_seed(22)
+    bound = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    inject = {4: (0, 0), 9: (1, 0), 13: (2, 2048), 17: (3, 64 * 33 - 1)}
+    for step in range(24):
+        scale = float(cpu.loss_scale)
+        assert float(gpu.loss_scale) == scale
+        _, grads = scaled_grads(SHAPES, dtype, scale, gen, 10.0 ** (-4 + step % 4))
+        if step in inject:
+            t, i = inject[step]
+            grads[t].view(-1)[i] = [math.inf, -math.inf, math.nan][step % 3]
+        for p, q, g in zip(cpu_params, gpu_params, grads):
+            p.grad.copy_(g)
+            q.grad.copy_(g)
+        cpu.step()
+        gpu.step()
+        a, b = cpu.last_report(), gpu.last_report()
+        for key in ("outcome", "reason", "scale_used", "scale_next", "first_nonfinite_tensor", "nonfinite_count",
+                    "subnormal_count", "zero_count", "numel", "step", "attempt"):
+            assert a[key] == b[key], (step, key, a[key], b[key])
+        assert (first_nonfinite(grads) >= 0) == (a["outcome"] != "applied")
+        if a["outcome"] == "applied":
+            assert a["grad_norm"] == b["grad_norm"], "the exact norm has the same bits on both backends"
+            for bnd, p in zip(bound, cpu.state_dict()["state"].values()):
+                bnd += U * p["master"].double().abs() + 1e-2 * 2.0 ** -16
+        for bnd, x, y in zip(bound, cpu.state_dict()["state"].values(), gpu.state_dict()["state"].values()):
+            assert bool(((x["master"].double() - y["master"].cpu().double()).abs() <= bnd).all()), step
+    assert int(gpu.applied_steps) == int(cpu.applied_steps) == 24 - len(inject)
+
+
+def _model(dtype, seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to("cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_backward_and_step_captured_in_a_cuda_graph(dtype):
+    torch.manual_seed(23)
+    x = torch.randn(32, 64, device="cuda").to(dtype)
+    y = torch.randn(32, 64, device="cuda").to(dtype)
+    poison = torch.ones((), device="cuda")  # set to inf to make one replay overflow
+    models = [_model(dtype, 24), _model(dtype, 24)]
+    opts = [FusedAdamW(m.parameters(), lr=1e-3, max_grad_norm=1.0, scaler=dict(init_scale=2.0 ** 10, growth_interval=4))
+            for m in models]
+
+    def train_step(model, opt):
+        opt.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        (loss * opt.loss_scale * poison).backward()
+        opt.step()
+        return loss
+
+    # Eager steps must not synchronise with the host: PyTorch raises where one of its own ops would.
+    eager_model, eager_opt = models[0], opts[0]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            train_step(eager_model, eager_opt)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    # Capture (after warm-up steps on a side stream, as torch.cuda.graph asks).
+    model, opt = models[1], opts[1]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            train_step(model, opt)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = train_step(model, opt)
+
+    # Replays against eager steps, with one overflow in the middle.
+    losses = []
+    for k in range(12):
+        poison.fill_(math.inf if k == 5 else 1.0)
+        graph.replay()
+        eager = train_step(eager_model, eager_opt)
+        torch.cuda.synchronize()
+        r, e = opt.last_report(), eager_opt.last_report()
+        assert r["outcome"] == e["outcome"] == ("skipped_overflow" if k == 5 else "applied"), (k, r, e)
+        # Capturing ran nothing: the warm-up's 3 attempts, then one per replay.
+        assert r["scale_used"] == e["scale_used"] and r["attempt"] == e["attempt"] == 3 + k + 1
+        losses.append((float(static_loss), float(eager)))
+    assert float(opt.loss_scale) == float(eager_opt.loss_scale)
+    assert int(opt.applied_steps) == int(eager_opt.applied_steps) == 3 + 12 - 1
+    # Forward and backward may pick other cuBLAS kernels when captured: losses and weights agree to
+    # the model format's precision, not bit for bit.
+    for captured, eager in losses:
+        assert captured == pytest.approx(eager, rel=2e-2)
+    assert losses[-1][0] < losses[0][0], "the captured steps train"
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert torch.allclose(p.float(), q.float(), rtol=5e-2, atol=5e-3)

@@ -1,0 +1,90 @@
+"""The package without PyTorch: import, version, options, the raw C API wrapper."""
+
+import ctypes
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import halfstep
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_import_needs_no_torch():
+    # A Python where `import torch` fails: the package imports, halfstep.torch says why it cannot.
+    code = ("import sys\nsys.modules['torch'] = None\nimport halfstep\nprint(halfstep.__version__)\n"
+            "try:\n    import halfstep.torch\nexcept ImportError as e:\n    print('no torch:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == halfstep.version()
+    assert lines[1].startswith("no torch:")
+
+
+def test_version_is_the_librarys_and_the_projects():
+    header = (ROOT / "include/halfstep/config.hpp").read_text()
+    parts = [re.search(r"#define HALFSTEP_VERSION_%s (\d+)" % k, header).group(1) for k in ("MAJOR", "MINOR", "PATCH")]
+    assert halfstep.version() == ".".join(parts) == halfstep.__version__
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == halfstep.version()
+
+
+def test_config_takes_the_librarys_option_names():
+    c = halfstep.config(scaler={"init_scale": 256.0, "growth_interval": 10, "hysteresis": 3},
+                        spike={"enabled": True, "action": "skip", "warmup_steps": 5})
+    assert (c.init_scale, c.growth_interval, c.hysteresis) == (256.0, 10, 3)
+    assert (c.spike_enabled, c.spike_skip, c.spike_warmup_steps) == (1, 1, 5)
+
+    class Opts:
+        growth_factor = 4.0
+    assert halfstep.config(scaler=Opts()).growth_factor == 4.0
+    with pytest.raises(ValueError, match="unknown scaler option growth_intervall"):
+        halfstep.config(scaler={"growth_intervall": 10})
+    with pytest.raises(ValueError, match="spike action must be 'log' or 'skip'"):
+        halfstep.config(spike={"action": "drop"})
+
+
+def _f16_buffer(values):
+    import struct
+    return (ctypes.c_uint16 * len(values))(*[struct.unpack("<H", struct.pack("<e", v))[0] for v in values])
+
+
+def test_raw_optimizer_steps_and_names_the_bad_tensor():
+    n = 4
+    bufs = []
+    tensors = []
+    for t in range(2):
+        master = (ctypes.c_float * n)(*[0.5] * n)
+        grad = _f16_buffer([0.25 * 1024] * n)  # g = 0.25 at S = 1024
+        m, v = (ctypes.c_float * n)(), (ctypes.c_float * n)()
+        bufs += [master, grad, m, v]
+        tensors.append(dict(master=ctypes.addressof(master), grad=ctypes.addressof(grad), exp_avg=ctypes.addressof(m),
+                            exp_avg_sq=ctypes.addressof(v), model=0, numel=n, group=0))
+    cfg = halfstep.config(backend=halfstep.BACKEND_REFERENCE, scaler={"init_scale": 1024.0})
+    opt = halfstep.Optimizer(tensors, [halfstep.group(lr=0.1)], cfg)
+    opt.step()
+    r = opt.last_report()
+    assert r["outcome"] == "applied" and r["scale_used"] == 1024.0 and r["step"] == 1
+    assert r["grad_norm"] == 0.25 * (2 * n) ** 0.5
+    # Adam's first step moves every weight by lr (sign of g): 0.5 - 0.1.
+    assert abs(bufs[0][0] - 0.4) < 1e-6
+    bufs[5][3] = 0x7C00  # +inf in tensor 1
+    opt.step()
+    r = opt.last_report()
+    assert r["outcome"] == "skipped_overflow" and r["first_nonfinite_tensor"] == 1 and r["nonfinite_count"] == 1
+    assert opt.nonfinite_counts() == [0, 1]
+    assert opt.loss_scale() == 512.0 and opt.state()["step"] == 1 and opt.state()["attempts"] == 2
+    saved = opt.save_state()
+    opt.load_state(saved)
+    with pytest.raises(halfstep.HalfstepError) as e:
+        opt.load_state(saved[:-1])
+    assert e.value.status == 2
+    with pytest.raises(halfstep.HalfstepError, match="group"):
+        halfstep.Optimizer([dict(tensors[0], group=3)], [halfstep.group()], cfg)
+    opt.close()
+    with pytest.raises(halfstep.HalfstepError, match="closed"):
+        opt.step()

@@ -1,0 +1,303 @@
+"""halfstep.torch.FusedAdamW on CPU tensors (halfstep's reference backend), against PyTorch."""
+
+import io
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import halfstep  # noqa: E402
+from halfstep.torch import FusedAdamW  # noqa: E402
+
+from helpers import U, first_nonfinite, fresh_params, gradscaler_rule, scaled_grads, unscaled_clipped  # noqa: E402
+
+SHAPES = [(7, 5), (33,), (4, 4, 3), (1,)]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def masters(opt):
+    return [s["master"] for s in opt.state_dict()["state"].values()]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad.copy_(g)
+
+
+# Where the 100-step trajectory puts an inf or NaN: (step, tensor, element, value) at the first,
+# middle and last element of the first, a middle and the last tensor.
+INJECT = [(9, 0, 0, math.inf), (23, 1, 16, -math.inf), (37, 3, 0, math.nan), (51, 0, 34, math.nan),
+          (52, 2, 0, math.inf), (70, 2, 47, -math.inf), (71, 1, 32, math.nan), (88, 3, 0, -math.inf)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("max_norm", [0.0, 0.5])
+def test_100_steps_match_torch_adamw_in_float64(dtype, max_norm):
+    params = fresh_params(SHAPES, dtype, seed=1)
+    groups = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, weight_decay=0.0)]
+    opt = FusedAdamW([dict(params=params[:2], **groups[0]), dict(params=params[2:], **groups[1])],
+                     betas=(0.9, 0.999), eps=1e-8, max_grad_norm=max_norm,
+                     scaler=dict(init_scale=2.0 ** 10, growth_interval=7))
+    ref_params = [p.detach().double().clone().requires_grad_() for p in params]
+    ref = torch.optim.AdamW([dict(params=ref_params[:2], **groups[0]), dict(params=ref_params[2:], **groups[1])],
+                            betas=(0.9, 0.999), eps=1e-8)
+    # A scheduler from torch.optim.lr_scheduler, stepped after every attempt: float64 AdamW takes
+    # the rate each halfstep step was given.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1.0 + 0.02 * k))
+    # How far halfstep's fp32 masters may be from float64 AdamW, per element, accumulated over the
+    # steps. The reference backend computes each step in double from the stored fp32 state and
+    # rounds the master, m and v to fp32 once. Per applied step: the master's rounding, u·|w|; and
+    # the update lr·Δ, Δ = m̂/(√v̂ + ε), computed from an m and v that carry earlier roundings:
+    # m's relative error stays below u/(1−β1) = 10u, v's below u·min(t, 1/(1−β2)) ≤ 100u over
+    # 100 steps, so Δ's below 10u + 50u + a few u; with |Δ| ≤ (1−β1)/√(1−β2) ≈ 3.2 (Adam's step
+    # bound for these betas) the update's error is below lr·3.2·64u < lr·2^-16. Earlier master
+    # errors are only scaled by (1 − lr·λ) ≤ 1 after that: they add up, never grow.
+    bound = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    gen = torch.Generator().manual_seed(2)
+    skips = 0
+    for step in range(100):
+        scale = float(opt.loss_scale)
+        magnitude = 10.0 ** (-3 + 3 * torch.rand((), generator=gen).item())
+        _, grads = scaled_grads(SHAPES, dtype, scale, gen, magnitude)
+        for at, t, i, value in INJECT:
+            if at == step:
+                grads[t].view(-1)[i] = value
+        set_grads(params, grads)
+        lrs = [g["lr"] for g in opt.param_groups]
+        opt.step()
+        sched.step()
+        r = opt.last_report()
+        bad = first_nonfinite(grads)  # an injection, or g·S past fp16's range
+        if bad >= 0:
+            skips += 1
+            assert r["outcome"] == "skipped_overflow" and r["reason"] == "nonfinite_gradient", (step, r)
+            assert r["first_nonfinite_tensor"] == bad
+            assert r["nonfinite_count"] == sum(int((~torch.isfinite(g)).sum()) for g in grads)
+        else:
+            assert r["outcome"] == "applied", (step, r)
+            g64, norm = unscaled_clipped(grads, scale, max_norm)
+            assert r["grad_norm"] == pytest.approx(norm, rel=1e-12)
+            for rp, g in zip(ref_params, g64):
+                rp.grad = g
+            for rg, lr in zip(ref.param_groups, lrs):
+                rg["lr"] = lr
+            ref.step()
+            group_lr = [lrs[0]] * 2 + [lrs[1]] * 2
+            for b, rp, lr in zip(bound, ref_params, group_lr):
+                b += U * rp.detach().abs() + lr * 2.0 ** -16
+        assert r["scale_used"] == scale and r["attempt"] == step + 1 and r["step"] == step + 1 - skips
+        assert int(opt.applied_steps) == step + 1 - skips
+        for m, rp, b, p in zip(masters(opt), ref_params, bound, params):
+            err = (m.double() - rp.detach()).abs()
+            assert bool((err <= b).all()), (step, float((err - b).max()))
+            assert torch.equal(p.detach(), m.to(dtype)), "the parameters are the masters rounded"
+    assert skips >= len(INJECT)
+
+
+def test_loss_scale_follows_gradscalers_rules():
+    growth, backoff, interval = 2.0, 0.5, 3
+    params = fresh_params([(5,), (3, 2)], torch.float16, seed=3)
+    opt = FusedAdamW(params, lr=1e-3, scaler=dict(init_scale=2.0 ** 8, growth_factor=growth, backoff_factor=backoff,
+                                                  growth_interval=interval, hysteresis=1))
+    overflow_at = {2, 3, 9, 10, 11, 17, 25, 26, 33}
+    scale, tracker = 2.0 ** 8, 0
+    for step in range(40):
+        assert float(opt.loss_scale) == scale, step
+        grads = [torch.full_like(p, 0.125) for p in params]
+        if step in overflow_at:
+            grads[step % 2].view(-1)[-1] = math.inf
+        set_grads(params, grads)
+        opt.step()
+        scale, tracker = gradscaler_rule(scale, tracker, step in overflow_at, growth, backoff, interval)
+        assert opt.last_report()["scale_next"] == scale
+    assert float(opt.loss_scale) == scale
+    assert int(opt.applied_steps) == 40 - len(overflow_at)
+
+
+def test_param_groups_keep_their_own_rates_and_decay():
+    params = fresh_params([(6,), (6,)], torch.bfloat16, seed=4)
+    before = [p.detach().float().clone() for p in params]
+    opt = FusedAdamW([dict(params=[params[0]], lr=0.1, weight_decay=0.5), dict(params=[params[1]], lr=0.01)],
+                     weight_decay=0.0)
+    set_grads(params, [torch.ones_like(p) * opt.loss_scale.item() * 1e-3 for p in params])
+    opt.step()
+    after = masters(opt)
+    # First Adam step: w·(1 − lr·λ) − lr·sign(g) (|g| ≫ ε).
+    assert torch.allclose(after[0], before[0] * (1 - 0.1 * 0.5) - 0.1, atol=1e-6)
+    assert torch.allclose(after[1], before[1] - 0.01, atol=1e-6)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+    with pytest.raises(ValueError, match="fixed at construction"):
+        opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]))
+
+
+def test_lr_changes_reach_the_step_and_a_device_schedule_can_follow_applied_steps():
+    # At S = 1 with a constant g of 64, Adam moves every weight by exactly lr·bc-corrected
+    # m̂/(√v̂ + ε) = lr·(1 − 1.6e-10) per applied step: the step's rate can be read off the masters.
+    params = fresh_params([(8,)], torch.float16, seed=5)
+    opt = FusedAdamW(params, lr=0.0, scaler=dict(init_scale=1.0))
+    grads = [torch.full_like(params[0], 64.0)]
+
+    def moved(nan=False):
+        before = masters(opt)[0].clone()
+        g = [x.clone() for x in grads]
+        if nan:
+            g[0][3] = math.nan
+        set_grads(params, g)
+        opt.step()
+        return float((before - masters(opt)[0]).mean())
+
+    assert moved() == 0.0, "lr 0 moves nothing"
+    opt.param_groups[0]["lr"] = 0.25  # as a scheduler writes it
+    assert moved() == pytest.approx(0.25, rel=1e-6)
+    # A warm-up on applied steps, computed on the device from the counter: no host read of it.
+    lr = opt.lr_tensor(0)
+    used = []
+    for step in range(6):
+        lr.copy_(0.01 * torch.clamp(opt.applied_steps.float() / 4, max=1.0))
+        used.append(moved(nan=step in (1, 2)))
+    # Applied before the loop: 2. The skipped attempts (1, 2) moved nothing and did not advance
+    # the warm-up.
+    assert used == pytest.approx([0.005, 0.0, 0.0, 0.0075, 0.01, 0.01], rel=1e-6)
+    assert int(opt.applied_steps) == 6 and opt.scaler_state()["attempts"] == 8
+    assert opt.param_groups[0]["lr"] == 0.25, "a device-side rate does not rewrite param_groups"
+
+
+def test_zero_grad_both_ways_and_autograd_accumulates_into_the_buffers():
+    torch.manual_seed(6)
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    opt = FusedAdamW(model.parameters(), lr=1e-3)
+    buffers = [p.grad for p in model.parameters()]
+    x = torch.randn(5, 4).to(torch.bfloat16)
+    model(x).float().sum().backward()
+    once = [b.clone() for b in buffers]
+    model(x).float().sum().backward()
+    assert all(p.grad is b for p, b in zip(model.parameters(), buffers))
+    assert all(torch.equal(b, (o.float() * 2).to(torch.bfloat16)) for b, o in zip(buffers, once))
+    for set_to_none in (True, False):
+        opt.zero_grad(set_to_none=set_to_none)
+        assert all(p.grad is b and not bool(b.any()) for p, b in zip(model.parameters(), buffers))
+    # The module's own zero_grad(set_to_none=True) detaches the buffers: step() says so, and the
+    # optimizer's zero_grad puts them back.
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"\.grad None"):
+        opt.step()
+    opt.zero_grad()
+    model(x).float().sum().backward()
+    opt.step()
+    assert opt.last_report()["outcome"] == "applied"
+
+
+def test_replaced_grad_is_refused_never_read():
+    params = fresh_params([(4,), (4,)], torch.float16, seed=7)
+    opt = FusedAdamW(params, lr=1e-3)
+    params[1].grad = torch.ones_like(params[1])
+    with pytest.raises(RuntimeError, match="parameter 1's .grad was replaced"):
+        opt.step()
+    assert opt.scaler_state()["attempts"] == 0, "nothing ran"
+    opt.zero_grad()
+    opt.step()
+    assert opt.scaler_state()["attempts"] == 1
+
+
+def test_refuses_what_it_cannot_step():
+    half = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.float16))  # noqa: E731
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        FusedAdamW([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(TypeError, match="one dtype"):
+        FusedAdamW([half(3), torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="not contiguous"):
+        FusedAdamW([torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float16).t())])
+    base = torch.zeros(10, dtype=torch.float16)
+    with pytest.raises(ValueError, match="parameters 0 and 1 share storage"):
+        FusedAdamW([torch.nn.Parameter(base[:6]), torch.nn.Parameter(base[4:])])
+    with pytest.raises(ValueError, match="unknown scaler option"):
+        FusedAdamW([half(3)], scaler=dict(init_scal=1.0))
+    with pytest.raises(halfstep.HalfstepError, match="lr"):
+        FusedAdamW([half(3)], lr=-1.0)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        FusedAdamW([half(3)], process_group=object())
+    opt = FusedAdamW([half(3)], lr=1e-3)
+    opt.param_groups[0]["betas"] = (0.8, 0.999)
+    with pytest.raises(ValueError, match="only lr may change"):
+        opt.step()
+    opt.param_groups[0]["betas"] = (0.9, 0.999)
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3)
+    with pytest.raises(TypeError, match="lr_tensor"):
+        opt.step()
+
+
+def _weights_only_supported():
+    # PyTorch 2's weights_only loader reads every type a state_dict holds (1.13's reads no floats).
+    return int(torch.__version__.split(".")[0]) >= 2
+
+
+def _run(opt, params, dtype, steps, gen):
+    reports = []
+    for k in range(steps):
+        _, grads = scaled_grads([p.shape for p in params], dtype, float(opt.loss_scale), gen, 1e-2)
+        if k % 4 == 3:
+            grads[k % len(grads)].view(-1)[0] = math.nan
+        set_grads(params, grads)
+        opt.step()
+        reports.append(opt.last_report())
+    return reports
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_state_dict_round_trip_resumes_bitwise(dtype):
+    shapes = [(5, 3), (17,)]
+
+    def make(seed):
+        params = fresh_params(shapes, dtype, seed=seed)
+        return params, FusedAdamW([dict(params=params[:1], lr=2e-3), dict(params=params[1:], lr=1e-3, weight_decay=0.01)],
+                                  max_grad_norm=1.0, scaler=dict(init_scale=2.0 ** 12, growth_interval=3, hysteresis=2),
+                                  spike=dict(enabled=True, warmup_steps=2))
+    params, opt = make(8)
+    _run(opt, params, dtype, 10, torch.Generator().manual_seed(9))
+    opt.param_groups[1]["lr"] = 5e-4  # changed after the last step: the next step pushes it
+    blob = io.BytesIO()
+    torch.save(opt.state_dict(), blob)
+    tail = _run(opt, params, dtype, 10, torch.Generator().manual_seed(10))
+
+    params2, opt2 = make(11)  # other weights: load_state_dict brings the saved ones
+    blob.seek(0)
+    opt2.load_state_dict(torch.load(blob, **({"weights_only": True} if _weights_only_supported() else {})))
+    tail2 = _run(opt2, params2, dtype, 10, torch.Generator().manual_seed(10))
+    same = lambda r: {k: ("nan" if v != v else v) for k, v in r.items()}  # noqa: E731 (NaN == NaN here)
+    assert [same(r) for r in tail2] == [same(r) for r in tail]
+    assert all(torch.equal(a, b) for a, b in zip(params2, params))
+    for a, b in zip(opt2.state_dict()["state"].values(), opt.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("master", "exp_avg", "exp_avg_sq"))
+    assert opt2.scaler_state() == opt.scaler_state()
+    assert [g["lr"] for g in opt2.param_groups] == [2e-3, 5e-4]
+
+
+def test_load_state_dict_refuses_a_mismatch_and_changes_nothing():
+    params = fresh_params([(4,), (6,)], torch.float16, seed=12)
+    opt = FusedAdamW(params, lr=1e-3)
+    _run(opt, params, torch.float16, 3, torch.Generator().manual_seed(13))
+    good = opt.state_dict()
+    before = (opt.scaler_state(), [m.clone() for m in masters(opt)], [p.detach().clone() for p in params])
+
+    def refused(sd, error, match):
+        with pytest.raises(error, match=match):
+            opt.load_state_dict(sd)
+        after = (opt.scaler_state(), masters(opt), [p.detach() for p in params])
+        assert after[0] == before[0]
+        assert all(torch.equal(a, b) for a, b in zip(after[1] + after[2], before[1] + before[2]))
+
+    refused({"state": {}}, ValueError, "not a halfstep")
+    other = FusedAdamW(fresh_params([(4,), (6,)], torch.bfloat16, seed=12), lr=1e-3).state_dict()
+    refused(other, halfstep.HalfstepError, "dtype")
+    shorter = FusedAdamW(fresh_params([(4,), (5,)], torch.float16, seed=12), lr=1e-3).state_dict()
+    refused(shorter, ValueError, r"state\[1\]\['master'\] must be a float32 tensor of shape \(6,\)")
+    two_groups = FusedAdamW([dict(params=[p]) for p in fresh_params([(4,), (6,)], torch.float16, seed=1)]).state_dict()
+    refused(two_groups, ValueError, "2 parameter groups, this optimizer has 1")
+    betas = dict(good, param_groups=[dict(good["param_groups"][0], betas=(0.5, 0.9))])
+    refused(betas, ValueError, "betas, eps or weight_decay")
+    nan = dict(good, state={0: good["state"][0], 1: dict(good["state"][1], exp_avg=torch.full((6,), math.nan))})
+    refused(nan, ValueError, r"state\[1\]\['exp_avg'\] holds inf or NaN")
+    corrupt = dict(good, halfstep=dict(good["halfstep"], optimizer_state=good["halfstep"]["optimizer_state"][:-3].clone()))
+    refused(corrupt, halfstep.HalfstepError, "")
+    opt.load_state_dict(good)

@@ -1,0 +1,25 @@
+# `pip install` of the repository into a scratch directory (scikit-build-core builds libhalfstep
+# with CMake; sm_90 only, to keep it short), then the package's import and C API tests and the
+# README's PyTorch snippet against the installed copy: the library inside the package, found
+# without HALFSTEP_LIBRARY.
+# Run as: cmake -DPYTHON=<venv python> -DSOURCE_DIR=<repo> -DWORK_DIR=<scratch> -P python_package_test.cmake
+file(REMOVE_RECURSE "${WORK_DIR}")
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}\n${err}")
+  endif()
+  set(out "${out}" PARENT_SCOPE)
+endfunction()
+run("${PYTHON}" -m pip install --no-build-isolation --no-deps --disable-pip-version-check -q
+    --target "${WORK_DIR}/site" --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90-real
+    "--config-settings=build-dir=${WORK_DIR}/build" "${SOURCE_DIR}")
+set(env ${CMAKE_COMMAND} -E env --unset=HALFSTEP_LIBRARY "PYTHONPATH=${WORK_DIR}/site")
+run(${env} "${PYTHON}" -c "import halfstep
+print(halfstep.library_path())")
+if(NOT out MATCHES "^${WORK_DIR}/site/halfstep/libhalfstep.so")
+  message(FATAL_ERROR "the installed package loads ${out}, not the library inside it")
+endif()
+run(${env} "${PYTHON}" -m pytest -q -p no:cacheprovider "${SOURCE_DIR}/python/tests/test_package.py"
+    "${SOURCE_DIR}/python/tests/test_readme.py")
+message(STATUS "pip install . built the package; its tests and the README snippet ran against it:\n${out}")
