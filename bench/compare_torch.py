@@ -5,7 +5,7 @@ PyTorch (fp16 gradients, fp32 masters, as a GradScaler + clip + fused AdamW trai
   upcast the fp16 gradients to fp32, torch._amp_foreach_non_finite_check_and_unscale_,
   torch.nn.utils.clip_grad_norm_(foreach=True), torch.optim.AdamW(fused=True) told found_inf the
   way GradScaler tells it (the step is skipped on the device), copy the masters to the fp16 model.
-halfstep: FusedAdamW through the C API (libhalfstep.so, ctypes) on the same gradients.
+halfstep: FusedAdamW through the halfstep Python package (the C API) on the same gradients.
 
 Checks, then times:
   1. agreement: same start, same gradients, overflows injected at chosen steps: identical skip
@@ -17,7 +17,6 @@ Exits non-zero if a check fails. Needs PyTorch with CUDA and a GPU.
 
 usage: compare_torch.py [--lib build/gpu/libhalfstep.so] [--model gpt2-xl|small] [--steps N]"""
 import argparse
-import ctypes as C
 import math
 import os
 import statistics
@@ -25,99 +24,18 @@ import sys
 
 import torch
 
-# --- the C API (include/halfstep/halfstep.h) -----------------------------------------------------
 
-
-class Tensor(C.Structure):
-    _fields_ = [("master", C.c_void_p), ("grad", C.c_void_p), ("exp_avg", C.c_void_p),
-                ("exp_avg_sq", C.c_void_p), ("model", C.c_void_p), ("numel", C.c_int64),
-                ("group", C.c_int32), ("exclude_from_norm", C.c_int32)]
-
-
-class Group(C.Structure):
-    _fields_ = [("lr", C.c_float), ("beta1", C.c_float), ("beta2", C.c_float), ("eps", C.c_float),
-                ("weight_decay", C.c_float), ("decoupled_weight_decay", C.c_int32),
-                ("bias_correction", C.c_int32)]
-
-
-class Config(C.Structure):
-    _fields_ = [("grad_dtype", C.c_int32), ("model_dtype", C.c_int32), ("backend", C.c_int32),
-                ("host_driven", C.c_int32), ("max_grad_norm", C.c_float),
-                ("init_scale", C.c_float), ("growth_factor", C.c_float),
-                ("backoff_factor", C.c_float), ("min_scale", C.c_float), ("max_scale", C.c_float),
-                ("growth_interval", C.c_int32), ("hysteresis", C.c_int32),
-                ("consecutive_hysteresis", C.c_int32), ("headroom_growth", C.c_int32),
-                ("headroom_margin_log2", C.c_float), ("spike_enabled", C.c_int32),
-                ("spike_skip", C.c_int32), ("spike_warmup_steps", C.c_int32),
-                ("spike_max_consecutive", C.c_int32), ("spike_z_threshold", C.c_float),
-                ("spike_ema_beta", C.c_float), ("spike_min_std", C.c_float)]
-
-
-class Report(C.Structure):
-    _fields_ = [("attempt", C.c_int64), ("step", C.c_int64), ("outcome", C.c_int32),
-                ("spike", C.c_int32), ("scale_used", C.c_float), ("scale_next", C.c_float),
-                ("grad_norm", C.c_double), ("clip_coef", C.c_float),
-                ("nonfinite_count", C.c_int64), ("first_nonfinite_tensor", C.c_int32),
-                ("max_abs_scaled", C.c_float), ("headroom_log2", C.c_float),
-                ("subnormal_count", C.c_int64), ("zero_count", C.c_int64), ("numel", C.c_int64),
-                ("reason", C.c_int32), ("held_elements", C.c_int64),
-                ("first_nonfinite_rank", C.c_int32)]
-
-
-APPLIED, SKIPPED_OVERFLOW = 0, 1
-
-
-class Halfstep:
-    def __init__(self, path):
-        self.lib = C.CDLL(path)
-        L = self.lib
-        L.halfstep_config_init.argtypes = [C.POINTER(Config)]
-        L.halfstep_group_init.argtypes = [C.POINTER(Group)]
-        L.halfstep_create.argtypes = [C.POINTER(Tensor), C.c_int64, C.POINTER(Group), C.c_int32,
-                                      C.POINTER(Config), C.POINTER(C.c_void_p)]
-        L.halfstep_step.argtypes = [C.c_void_p, C.c_void_p]
-        L.halfstep_last_report.argtypes = [C.c_void_p, C.POINTER(Report)]
-        L.halfstep_loss_scale.argtypes = [C.c_void_p, C.POINTER(C.c_float)]
-        L.halfstep_destroy.argtypes = [C.c_void_p]
-        L.halfstep_last_error.restype = C.c_char_p
-
-    def check(self, status, what):
-        if status != 0:
-            raise RuntimeError(f"{what}: {self.lib.halfstep_last_error().decode()}")
-
-    def config(self, **fields):
-        c = Config()
-        self.lib.halfstep_config_init(C.byref(c))
-        for k, v in fields.items():
-            setattr(c, k, v)
-        return c
-
-    def group(self, **fields):
-        g = Group()
-        self.lib.halfstep_group_init(C.byref(g))
-        for k, v in fields.items():
-            setattr(g, k, v)
-        return g
-
-    def create(self, tensors, group, config):
-        arr = (Tensor * len(tensors))(*tensors)
-        handle = C.c_void_p()
-        self.check(self.lib.halfstep_create(arr, len(tensors), C.byref(group), 1, C.byref(config),
-                                            C.byref(handle)), "halfstep_create")
-        return handle
-
-    def step(self, handle, stream):
-        self.check(self.lib.halfstep_step(handle, C.c_void_p(stream)), "halfstep_step")
-
-    def report(self, handle):
-        r = Report()
-        self.check(self.lib.halfstep_last_report(handle, C.byref(r)), "halfstep_last_report")
-        return r
-
-    def loss_scale(self, handle):
-        s = C.c_float()
-        self.check(self.lib.halfstep_loss_scale(handle, C.byref(s)), "halfstep_loss_scale")
-        return s.value
+def import_halfstep(lib):
+    """The halfstep package: installed (pip install .), or the tree's python/ with the library
+    `lib` (--lib, or HALFSTEP_LIBRARY)."""
+    if lib:
+        os.environ["HALFSTEP_LIBRARY"] = lib
+    try:
+        import halfstep
+    except ImportError:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+        import halfstep
+    return halfstep
 
 
 # --- the parameter sets ------------------------------------------------------------------------
@@ -194,12 +112,13 @@ class TorchPipeline:
 
 
 def make_halfstep(hs, state, grads16, scale):
-    tensors = [Tensor(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), md.data_ptr(), p.numel(), 0)
+    tensors = [dict(master=p.data_ptr(), grad=g.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(),
+                    model=md.data_ptr(), numel=p.numel(), group=0)
                for p, g, m, v, md in zip(state.master, grads16, state.m, state.v, state.model)]
-    cfg = hs.config(max_grad_norm=MAX_NORM, init_scale=scale, min_scale=scale, max_scale=scale,
-                    growth_interval=2**31 - 1)
+    cfg = hs.config(max_grad_norm=MAX_NORM, scaler=dict(init_scale=scale, min_scale=scale, max_scale=scale,
+                                                        growth_interval=2**31 - 1))
     group = hs.group(lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD)
-    return hs.create(tensors, group, cfg)
+    return hs.Optimizer(tensors, [group], cfg)
 
 
 def check_agreement(hs, sizes, steps, inject_at):
@@ -220,7 +139,7 @@ def check_agreement(hs, sizes, steps, inject_at):
     grads16 = [torch.empty(n, device="cuda", dtype=torch.half) for n in sizes]
     a, b = start.clone(), start.clone()
     torch_side = TorchPipeline(a, grads16)
-    handle = make_halfstep(hs, b, grads16, scale)
+    opt = make_halfstep(hs, b, grads16, scale)
     stream = torch.cuda.current_stream().cuda_stream
     ok = True
     applied = 0
@@ -229,11 +148,10 @@ def check_agreement(hs, sizes, steps, inject_at):
         if k in inject_at:
             grads16[len(grads16) // 2].view(-1)[k % max(grads16[len(grads16) // 2].numel(), 1)] = math.inf
         torch_side.step(scale)
-        hs.step(handle, stream)
+        opt.step(stream)
         torch.cuda.synchronize()
         skipped_torch = bool(torch_side.found_inf.item() > 0)
-        r = hs.report(handle)
-        skipped_hs = r.outcome == SKIPPED_OVERFLOW
+        skipped_hs = opt.last_report()["outcome"] == "skipped_overflow"
         same = skipped_torch == skipped_hs == (k in inject_at)
         ok &= same
         applied += 0 if skipped_hs else 1
@@ -254,7 +172,7 @@ def check_agreement(hs, sizes, steps, inject_at):
                       float(torch.max(torch.abs(va - vb) / (rel * torch.abs(vb) + 1e-30))))
     print(f"  skip decisions identical on {steps} steps ({len(inject_at)} injected overflows): {ok}")
     print(f"  masters: largest |difference| / bound = {worst_p:.3f}; moments: {worst_m:.3f}")
-    hs.lib.halfstep_destroy(handle)
+    opt.close()
     return ok and worst_p <= 1.0 and worst_m <= 1.0
 
 
@@ -272,17 +190,17 @@ def check_scaler(hs):
     # halfstep: a one-element tensor whose gradient is inf on the overflow steps.
     p, m, v = (torch.zeros(1, device="cuda") for _ in range(3))
     g = torch.zeros(1, device="cuda", dtype=torch.half)
-    cfg = hs.config(init_scale=init, growth_factor=growth, backoff_factor=backoff,
-                    growth_interval=interval, min_scale=1.0, max_scale=2.0 ** 24)
-    handle = hs.create([Tensor(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), None, 1, 0)],
-                       hs.group(), cfg)
+    cfg = hs.config(scaler=dict(init_scale=init, growth_factor=growth, backoff_factor=backoff,
+                                growth_interval=interval, min_scale=1.0, max_scale=2.0 ** 24))
+    opt = hs.Optimizer([dict(master=p.data_ptr(), grad=g.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(),
+                             model=0, numel=1, group=0)], [hs.group()], cfg)
     ours = []
     for overflow in schedule:
         g.fill_(math.inf if overflow else 1.0)
         torch.cuda.synchronize()
-        hs.step(handle, torch.cuda.current_stream().cuda_stream)
-        ours.append(hs.loss_scale(handle))
-    hs.lib.halfstep_destroy(handle)
+        opt.step(torch.cuda.current_stream().cuda_stream)
+        ours.append(opt.loss_scale())
+    opt.close()
     same = ours == torch_scales
     print(f"  scale sequences over {len(schedule)} steps identical: {same} "
           f"(min 2^{math.log2(min(ours)):.0f}, max 2^{math.log2(max(ours)):.0f})")
@@ -305,7 +223,8 @@ def median_ms(fn, repeats):
 
 def main():
     ap = argparse.ArgumentParser(description="PyTorch's pipeline against halfstep's fused step")
-    ap.add_argument("--lib", default=os.path.join("build", "gpu", "libhalfstep.so"))
+    ap.add_argument("--lib", default=None,
+                    help="libhalfstep.so to use (default: the installed package's, or HALFSTEP_LIBRARY)")
     ap.add_argument("--model", default="gpt2-xl", choices=["gpt2-xl", "small"])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=20)
@@ -313,7 +232,7 @@ def main():
     if not torch.cuda.is_available():
         print("SKIPPED: PyTorch sees no CUDA device")
         return 77
-    hs = Halfstep(args.lib)
+    hs = import_halfstep(args.lib)
     sizes = shapes(args.model)
     print(f"compare_torch: {args.model}, {len(sizes)} tensors, {sum(sizes) / 1e9:.3f}e9 parameters, "
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -333,11 +252,11 @@ def main():
     del torch_side, state
     torch.cuda.empty_cache()
     state = State(sizes, gen)
-    handle = make_halfstep(hs, state, grads16, scale)
+    opt = make_halfstep(hs, state, grads16, scale)
     stream = torch.cuda.current_stream().cuda_stream
-    t_hs = median_ms(lambda: hs.step(handle, stream), args.repeats)
-    applied = hs.report(handle).outcome == APPLIED
-    hs.lib.halfstep_destroy(handle)
+    t_hs = median_ms(lambda: opt.step(stream), args.repeats)
+    applied = opt.last_report()["outcome"] == "applied"
+    opt.close()
     n = sum(sizes)
     print(f"  PyTorch pipeline : {t_torch:8.3f} ms  ({n * 30 / t_torch / 1e6:7.0f} GB/s of the 30 B/param work)")
     print(f"  halfstep fused   : {t_hs:8.3f} ms  ({n * 30 / t_hs / 1e6:7.0f} GB/s)")

@@ -2,7 +2,8 @@
 # The whole GPU verification in one call, for a machine with a GPU and no network:
 #   build (gpu preset), every GPU test including [large], compute-sanitizer (memcheck, racecheck,
 #   initcheck, synccheck) on the GPU tests at reduced sizes, the benchmark (short configuration),
-#   bench/compare_torch.py when PyTorch is importable, a short halfstep-train run on the GPU, the
+#   the Python package's tests (with the GPU ones) and bench/compare_torch.py through the package
+#   when PyTorch with CUDA is importable, a short halfstep-train run on the GPU, the
 #   NCCL tests alone, and halfstep-train --ranks over every visible GPU.
 # Logs go under LOG_DIR; a table of results is printed last. Exits non-zero if anything failed.
 #
@@ -103,9 +104,22 @@ else
   record "halfstep-bench" FAIL "not built (Google Benchmark missing?)"
 fi
 
-# --- PyTorch comparison ------------------------------------------------------------------------------
+# --- the Python package on the GPU (python/tests, incl. test_gpu.py), and the PyTorch comparison ----
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" > /dev/null 2>&1; then
-  if python3 bench/compare_torch.py --lib "$bin/libhalfstep.so" > "$logs/compare_torch.log" 2>&1; then
+  if python3 -c "import pytest" > /dev/null 2>&1; then
+    PYTHONPATH="$PWD/python" HALFSTEP_LIBRARY="$PWD/$bin/libhalfstep.so" \
+      python3 -m pytest -q -rs -p no:cacheprovider python/tests > "$logs/python_tests.log" 2>&1
+    rc=$?
+    summary=$(tail -1 "$logs/python_tests.log")
+    if [ $rc -eq 0 ] && ! grep -q "SKIPPED.*test_gpu" "$logs/python_tests.log"; then
+      record "Python package tests (GPU)" ok "$summary"
+    else
+      record "Python package tests (GPU)" FAIL "$summary (python_tests.log)"
+    fi
+  else
+    record "Python package tests (GPU)" skipped "pytest not importable"
+  fi
+  if PYTHONPATH="$PWD/python" python3 bench/compare_torch.py --lib "$bin/libhalfstep.so" > "$logs/compare_torch.log" 2>&1; then
     record "compare_torch.py" ok "$(grep RESULT "$logs/compare_torch.log")"
   else
     record "compare_torch.py" FAIL "$(grep -E 'RESULT|Error' "$logs/compare_torch.log" | tail -1)"
