@@ -54,6 +54,10 @@ def main():
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float16" if dev.type == "cuda" else "bfloat16"))
     warmup = max(args.steps // 10, 1)
+    try:
+        torch.ones(1, 1, device=dev, dtype=dtype) @ torch.ones(1, 1, device=dev, dtype=dtype)
+    except RuntimeError:
+        sys.exit(f"this PyTorch has no {str(dtype)[6:]} matrix product on {dev}: use --dtype bfloat16")
 
     torch.manual_seed(0)
     teacher = make_model(32).to(dev)

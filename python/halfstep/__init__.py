@@ -13,7 +13,8 @@ from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, SKIPPED_
                    HalfstepError, Report, State, Tensor, check, lib, library_path)
 
 __all__ = ["Optimizer", "HalfstepError", "version", "config", "group", "report_dict", "SCALER_OPTIONS",
-           "SPIKE_OPTIONS"]
+           "SPIKE_OPTIONS", "F16", "BF16", "BACKEND_CUDA", "BACKEND_REFERENCE", "TOTALS_SUM_WORDS",
+           "TOTALS_MAX_WORDS"]
 
 
 def version():
@@ -31,13 +32,25 @@ SPIKE_OPTIONS = ("enabled", "z_threshold", "ema_beta", "warmup_steps", "action",
                  "min_std")
 
 
-def config(dtype=F16, backend=BACKEND_CUDA, max_grad_norm=0.0, scaler=None, spike=None, host_driven=False):
+_DTYPE_NAMES = {"float16": F16, "fp16": F16, "bfloat16": BF16, "bf16": BF16, F16: F16, BF16: BF16}
+_BACKEND_NAMES = {"cuda": BACKEND_CUDA, "reference": BACKEND_REFERENCE, BACKEND_CUDA: BACKEND_CUDA,
+                  BACKEND_REFERENCE: BACKEND_REFERENCE}
+
+
+def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spike=None, host_driven=False):
     """A halfstep_config: the library's defaults, then `scaler` and `spike` options by name (a dict,
-    or an object with those attributes). Unknown names raise ValueError."""
+    or an object with those attributes). `dtype` is the gradients' and model copy's format:
+    "float16" or "bfloat16" (or F16, BF16); `backend` is "cuda" (device pointers) or "reference"
+    (host memory, the CPU reference step) (or BACKEND_CUDA, BACKEND_REFERENCE). Unknown names
+    raise ValueError."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError("dtype must be 'float16' or 'bfloat16', got %r" % (dtype,))
+    if backend not in _BACKEND_NAMES:
+        raise ValueError("backend must be 'cuda' or 'reference', got %r" % (backend,))
     c = Config()
     lib.halfstep_config_init(_C.byref(c))
-    c.grad_dtype = c.model_dtype = dtype
-    c.backend = backend
+    c.grad_dtype = c.model_dtype = _DTYPE_NAMES[dtype]
+    c.backend = _BACKEND_NAMES[backend]
     c.max_grad_norm = float(max_grad_norm)
     c.host_driven = 1 if host_driven else 0
     for name, value in _options(scaler, SCALER_OPTIONS, "scaler").items():

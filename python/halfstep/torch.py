@@ -16,7 +16,7 @@ halfstep's reference backend.
 """
 
 import ctypes as _C
-import math
+import operator as _operator
 
 import torch
 import torch.distributed as _dist
@@ -249,7 +249,7 @@ class FusedAdamW(torch.optim.Optimizer):
     def _stream(self):
         return torch.cuda.current_stream(self._device).cuda_stream if self._device.type == "cuda" else 0
 
-    def _prepare(self):
+    def _refuse_replaced_grads(self):
         for i, (p, buf) in enumerate(zip(self._params, self._grads)):
             if p.grad is not buf:
                 if p.grad is None:
@@ -259,6 +259,12 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise RuntimeError("parameter %d's .grad was replaced by another tensor: halfstep reads gradients "
                                    "from the buffer it attached (restore it with opt.zero_grad(), or copy into "
                                    "p.grad instead of assigning)" % i)
+
+    def _prepare(self):
+        """Everything step() checks and pushes before the library runs; raises before anything
+        changed."""
+        if not all(map(_operator.is_, [p.grad for p in self._params], self._grads)):
+            self._refuse_replaced_grads()
         stream = self._stream()
         for i, g in enumerate(self.param_groups):
             if self._fixed(g) != self._hparams[i]:

@@ -46,6 +46,11 @@ def test_config_takes_the_librarys_option_names():
         halfstep.config(scaler={"growth_intervall": 10})
     with pytest.raises(ValueError, match="spike action must be 'log' or 'skip'"):
         halfstep.config(spike={"action": "drop"})
+    assert halfstep.config("bfloat16").model_dtype == halfstep.config(halfstep.BF16).model_dtype == halfstep.BF16
+    with pytest.raises(ValueError, match="dtype must be 'float16' or 'bfloat16', got 'fp32'"):
+        halfstep.config("fp32")
+    with pytest.raises(ValueError, match="backend must be 'cuda' or 'reference'"):
+        halfstep.config(backend="cpu")
 
 
 def _f16_buffer(values):
@@ -64,7 +69,8 @@ def test_raw_optimizer_steps_and_names_the_bad_tensor():
         bufs += [master, grad, m, v]
         tensors.append(dict(master=ctypes.addressof(master), grad=ctypes.addressof(grad), exp_avg=ctypes.addressof(m),
                             exp_avg_sq=ctypes.addressof(v), model=0, numel=n, group=0))
-    cfg = halfstep.config(backend=halfstep.BACKEND_REFERENCE, scaler={"init_scale": 1024.0})
+    cfg = halfstep.config("float16", "reference", scaler={"init_scale": 1024.0})
+    assert (cfg.grad_dtype, cfg.backend) == (halfstep.F16, halfstep.BACKEND_REFERENCE)
     opt = halfstep.Optimizer(tensors, [halfstep.group(lr=0.1)], cfg)
     opt.step()
     r = opt.last_report()
