@@ -54,7 +54,7 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
     c.max_grad_norm = float(max_grad_norm)
     c.host_driven = 1 if host_driven else 0
     for name, value in _options(scaler, SCALER_OPTIONS, "scaler").items():
-        setattr(c, name, int(value) if isinstance(getattr(c, name), int) else float(value))
+        _set(c, name, value, "scaler")
     for name, value in _options(spike, SPIKE_OPTIONS, "spike").items():
         if name == "enabled":
             c.spike_enabled = 1 if value else 0
@@ -63,9 +63,19 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
                 raise ValueError("spike action must be 'log' or 'skip', got %r" % (value,))
             c.spike_skip = 1 if value == "skip" else 0
         else:
-            field = "spike_" + name
-            setattr(c, field, int(value) if isinstance(getattr(c, field), int) else float(value))
+            _set(c, "spike_" + name, value, "spike", name)
     return c
+
+
+def _set(c, field, value, what, name=None):
+    """Sets a config field, refusing an integer the C API's int32 cannot hold."""
+    if isinstance(getattr(c, field), int):
+        value = int(value)
+        if not -2 ** 31 <= value < 2 ** 31:
+            raise ValueError("%s option %s = %d does not fit the C API's int32" % (what, name or field, value))
+    else:
+        value = float(value)
+    setattr(c, field, value)
 
 
 def _options(given, names, what):

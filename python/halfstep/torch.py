@@ -16,7 +16,9 @@ halfstep's reference backend.
 """
 
 import ctypes as _C
+import math as _math
 import operator as _operator
+import zlib as _zlib
 
 import torch
 import torch.distributed as _dist
@@ -33,19 +35,23 @@ _SIGN = -(2 ** 63)  # flips an int64's sign bit: unsigned order as signed order
 class _CudaArray:
     """A zero-copy view of device memory for torch.as_tensor (__cuda_array_interface__)."""
 
-    def __init__(self, address, typestr, numel):
+    def __init__(self, address, typestr, numel, owner):
         self.__cuda_array_interface__ = {"shape": (numel,), "typestr": typestr, "data": (address, False),
                                          "version": 2}
+        self.owner = owner
 
 
-def _view(address, dtype, device, numel=1):
+def _view(owner, address, dtype, device, numel=1):
     """A tensor over `numel` elements at `address` (device memory on CUDA, host memory on CPU),
-    sharing the memory."""
+    sharing the memory, and keeping `owner` (the halfstep.Optimizer that holds the memory) alive
+    for as long as the tensor lives."""
     if device.type == "cuda":
         typestr = {torch.float32: "<f4", torch.int64: "<i8"}[dtype]
-        return torch.as_tensor(_CudaArray(address, typestr, numel), device=device)
+        return torch.as_tensor(_CudaArray(address, typestr, numel, owner), device=device)
     ctype = {torch.float32: _C.c_float, torch.int64: _C.c_int64}[dtype]
-    return torch.frombuffer((ctype * numel).from_address(address), dtype=dtype)
+    array = (ctype * numel).from_address(address)
+    array.owner = owner
+    return torch.frombuffer(array, dtype=dtype)
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -63,7 +69,7 @@ class FusedAdamW(torch.optim.Optimizer):
         or 'skip'), max_consecutive, min_std.
     process_group: a torch.distributed group whose ranks take one step together: they all-reduce
         the step's totals record (the split step), so every rank takes the same decision with the
-        same global norm, bitwise the same report and scale, however the work is split. The
+        same global norm (bitwise the one process would compute) and holds the same report. The
         gradients must already be reduced across the ranks (DistributedDataParallel with its
         default gradient_as_bucket_view=False, or your own all-reduce into .grad).
     shard: with a process_group, True (the default) shards the optimizer state (ZeRO-1): each rank
@@ -83,6 +89,8 @@ class FusedAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            raise ValueError("halfstep.torch.FusedAdamW: no parameters to optimise")
         self._params = params
         self._check_params(params)
         self._dtype = params[0].dtype
@@ -105,6 +113,9 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise ValueError("process_group: torch.distributed is not initialised (call "
                                  "torch.distributed.init_process_group first)")
             self._world, self._rank = _dist.get_world_size(process_group), _dist.get_rank(process_group)
+            if self._rank < 0:
+                raise ValueError("process_group: this process is not a member of the group")
+            self._agree_on_config(params, max_grad_norm, cfg)
 
         # The flat parameter space (parameters in param-group order) and the range each rank owns:
         # a ceil(total / world) chunk, cut anywhere, also mid-parameter.
@@ -132,13 +143,37 @@ class FusedAdamW(torch.optim.Optimizer):
             self._opt = Optimizer(tensors, groups, cfg, rank=self._rank)
         #: The loss scale for the next backward pass: a 0-dim fp32 tensor over the optimizer's own
         #: memory (on the parameters' device), updated in place by every step.
-        self.loss_scale = _view(self._opt.loss_scale_address(), torch.float32, self._device).view(())
+        self.loss_scale = _view(self._opt, self._opt.loss_scale_address(), torch.float32, self._device).view(())
         #: Applied steps so far (the Adam t): a 0-dim int64 tensor that every applied step
         #: advances in place, on the device; skipped steps leave it alone.
-        self.applied_steps = _view(self._opt.step_count_address(), torch.int64, self._device).view(())
-        self._totals = _view(self._opt.totals_address(), torch.int64, self._device,
+        self.applied_steps = _view(self._opt, self._opt.step_count_address(), torch.int64, self._device).view(())
+        self._totals = _view(self._opt, self._opt.totals_address(), torch.int64, self._device,
                              TOTALS_SUM_WORDS + TOTALS_MAX_WORDS)
+        # What the library holds the addresses of, and the parameters' version counters: step()
+        # refuses moved storage and takes weights written into the parameters as new masters.
+        self._layout = self._current_layout()
+        self._versions = [p._version for p in params]
+        self._unstepped = True  # the first step takes the parameters as they are then
         self._built = True
+
+    def _current_layout(self):
+        return ([(p.data_ptr(), p.numel(), p.dtype) for p in self._params],
+                [(g.data_ptr(), g.numel(), g.dtype) for g in self._grads])
+
+    def _agree_on_config(self, params, max_grad_norm, cfg):
+        """Every rank of the group must build the same optimizer: compare a fingerprint of the
+        parameters' shapes and dtype, the groups, the options and the mode on all ranks, and
+        refuse on every rank if any differs (rather than let collectives hang or mix up data)."""
+        key = repr((str(params[0].dtype), [tuple(p.shape) for p in params], self._group_of, self._hparams,
+                    self._lrs, float(max_grad_norm), bytes(cfg), self._shard)).encode()
+        crc = _zlib.crc32(key)
+        both = torch.tensor([crc, -crc], dtype=torch.int64, device=self._device)
+        _dist.all_reduce(both, op=_dist.ReduceOp.MAX, group=self._pg)
+        high, low = both.tolist()
+        if high != crc or -low != crc:
+            raise ValueError("process_group: the ranks built different optimizers (parameter shapes, dtype, "
+                             "param groups, hyperparameters, options or shard differ); every rank must build the "
+                             "same FusedAdamW")
 
     def _table(self, numels, rank):
         begin = min(sum(numels), rank * self._chunk)
@@ -196,6 +231,13 @@ class FusedAdamW(torch.optim.Optimizer):
                                 group=self._group_of[i]))
         return tensors
 
+    def __getstate__(self):
+        raise TypeError("halfstep.torch.FusedAdamW cannot be pickled or copied (it holds device memory and "
+                        "addresses): save opt.state_dict() and load it into a new optimizer")
+
+    def __deepcopy__(self, memo):
+        self.__getstate__()
+
     # -- construction checks ---------------------------------------------------------------------
 
     def add_param_group(self, param_group):
@@ -210,7 +252,11 @@ class FusedAdamW(torch.optim.Optimizer):
             return
         dtype, device = params[0].dtype, params[0].device
         seen = []
+        ids = {}
         for i, p in enumerate(params):
+            if id(p) in ids:
+                raise ValueError("parameters %d and %d are the same tensor: list each parameter once" % (ids[id(p)], i))
+            ids[id(p)] = i
             where = "parameter %d (%s %s)" % (i, tuple(p.shape), p.dtype)
             if p.dtype not in _DTYPES:
                 raise TypeError("%s: halfstep takes float16 or bfloat16 parameters (their fp32 masters "
@@ -234,7 +280,10 @@ class FusedAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _fixed(g):
-        return (tuple(float(b) for b in g["betas"]), float(g["eps"]), float(g["weight_decay"]))
+        betas = tuple(g["betas"])
+        if len(betas) != 2:
+            raise ValueError("betas must be a pair (beta1, beta2), got %r" % (g["betas"],))
+        return (tuple(float(b) for b in betas), float(g["eps"]), float(g["weight_decay"]))
 
     @staticmethod
     def _lr_of(g, i):
@@ -260,12 +309,49 @@ class FusedAdamW(torch.optim.Optimizer):
                                    "from the buffer it attached (restore it with opt.zero_grad(), or copy into "
                                    "p.grad instead of assigning)" % i)
 
+    def _refuse_moved_storage(self):
+        params, grads = self._current_layout()
+        for what, now, then in (("parameter", params, self._layout[0]), ("gradient buffer (.grad) of parameter", grads,
+                                                                          self._layout[1])):
+            for i, (a, b) in enumerate(zip(now, then)):
+                if a != b:
+                    raise RuntimeError("%s %d now has other storage (%d elements of %s at 0x%x, was %d of %s at 0x%x): "
+                                       "halfstep holds the addresses it was built with; .data assignments, .to(), "
+                                       "resize_() and share_memory_() move it. Build the optimizer after such changes"
+                                       % (what, i, a[1], a[2], a[0], b[1], b[2], b[0]))
+
+    def _take_written_weights(self, versions, everything):
+        """Weights written into the parameters become the masters of those elements, as torch.optim
+        would continue from them: before the first step all of them (whatever wrote them: the
+        model's load_state_dict, DistributedDataParallel's broadcast, which PyTorch's version
+        counters do not see), after it those whose version counter moved (in-place edits).
+        Stream-ordered copies, no synchronisation."""
+        with torch.no_grad():
+            for i, (p, now, then) in enumerate(zip(self._params, versions, self._versions)):
+                if now == then and not everything:
+                    continue
+                flat = p.detach().reshape(-1)
+                if not self._shard:
+                    self._masters[i].view(-1).copy_(flat)
+                    continue
+                for j, off, length, at, _ in self._tables[self._rank]:
+                    if j == i:
+                        self._masters[0][at:at + length].copy_(flat[off:off + length])
+                        self._model_chunk[at:at + length].copy_(flat[off:off + length])
+        self._versions = versions
+
     def _prepare(self):
         """Everything step() checks and pushes before the library runs; raises before anything
         changed."""
         if not all(map(_operator.is_, [p.grad for p in self._params], self._grads)):
             self._refuse_replaced_grads()
+        if self._current_layout() != self._layout:
+            self._refuse_moved_storage()
         stream = self._stream()
+        versions = [p._version for p in self._params]
+        if self._unstepped or versions != self._versions:
+            self._take_written_weights(versions, everything=self._unstepped)
+            self._unstepped = False
         for i, g in enumerate(self.param_groups):
             if self._fixed(g) != self._hparams[i]:
                 raise ValueError("param_groups[%d]: betas, eps and weight_decay are fixed at construction; only lr "
@@ -310,6 +396,7 @@ class FusedAdamW(torch.optim.Optimizer):
         flat = self._gathered
         for p, at in zip(self._params, self._offsets):
             p.detach().view(-1).copy_(flat[at:at + p.numel()])
+        self._versions = [p._version for p in self._params]  # our own writes
 
     @torch.no_grad()
     def zero_grad(self, set_to_none=True):
@@ -334,7 +421,7 @@ class FusedAdamW(torch.optim.Optimizer):
         """A 0-dim fp32 tensor over the device memory the next step reads group `group_index`'s
         learning rate from: a schedule computed on the device writes it (copy_) without a
         synchronisation. param_groups[i]['lr'] changes still win when step() sees them."""
-        return _view(self._opt.device_lr_address(group_index), torch.float32, self._device).view(())
+        return _view(self._opt, self._opt.device_lr_address(group_index), torch.float32, self._device).view(())
 
     def scaler_state(self):
         """The loss scaler, spike detector and step counters; waits for the last step."""
@@ -364,44 +451,25 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Restores state_dict(): everything is checked first; a mismatch raises (ValueError, or
-        halfstep.HalfstepError from the library) naming it, and nothing changes."""
-        hs = state_dict.get("halfstep") if isinstance(state_dict, dict) else None
-        if not isinstance(hs, dict) or "optimizer_state" not in hs:
-            raise ValueError("load_state_dict: not a halfstep.torch.FusedAdamW state_dict (no 'halfstep' entry)")
-        if hs.get("world") != self._world or hs.get("rank") != self._rank:
-            raise ValueError("load_state_dict: written by rank %s of %s ranks; this is rank %d of %d" %
-                             (hs.get("rank"), hs.get("world"), self._rank, self._world))
-        groups = state_dict.get("param_groups", [])
-        if len(groups) != len(self.param_groups):
-            raise ValueError("load_state_dict: %d parameter groups, this optimizer has %d" %
-                             (len(groups), len(self.param_groups)))
-        for i, (saved, mine) in enumerate(zip(groups, self.param_groups)):
-            if len(saved.get("params", [])) != len(mine["params"]):
-                raise ValueError("load_state_dict: param_groups[%d] has %d parameters, this optimizer's %d" %
-                                 (i, len(saved.get("params", [])), len(mine["params"])))
-            if self._fixed(saved) != self._hparams[i]:
-                raise ValueError("load_state_dict: param_groups[%d] has betas, eps or weight_decay %s; this "
-                                 "optimizer's are %s" % (i, self._fixed(saved), self._hparams[i]))
-        state = state_dict.get("state", {})
-        for i, m in enumerate(self._masters):
-            entry = state.get(i)
-            if not isinstance(entry, dict):
-                raise ValueError("load_state_dict: no state for tensor %d" % i)
-            for key in ("master", "exp_avg", "exp_avg_sq"):
-                t = entry.get(key)
-                if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != m.shape:
-                    raise ValueError("load_state_dict: state[%d]['%s'] must be a float32 tensor of shape %s" %
-                                     (i, key, tuple(m.shape)))
-                if not bool(torch.isfinite(t).all()):
-                    raise ValueError("load_state_dict: state[%d]['%s'] holds inf or NaN: an applied step never "
-                                     "writes one, so this state was not written by a step" % (i, key))
-            if bool((entry["exp_avg_sq"] < 0).any()):
-                raise ValueError("load_state_dict: state[%d]['exp_avg_sq'] holds negative values" % i)
-        blob = hs["optimizer_state"]
-        blob = bytes(blob.tolist()) if isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 else blob
-        if not isinstance(blob, (bytes, bytearray)):
-            raise ValueError("load_state_dict: ['halfstep']['optimizer_state'] must be a uint8 tensor")
-        self._opt.load_state(blob)  # checks the state against the config first
+        halfstep.HalfstepError from the library) naming it, and nothing changes. With a
+        process_group every rank must call it; if any rank refuses its state_dict, every rank
+        raises and none changes."""
+        error = None
+        try:
+            state, groups, blob = self._checked(state_dict)
+            before = self._opt.save_state()
+            self._opt.load_state(blob)  # checks the state against the config, then takes it
+        except (ValueError, TypeError, KeyError, HalfstepError) as e:
+            error = e
+        if self._pg is not None:
+            refused = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self._device)
+            _dist.all_reduce(refused, op=_dist.ReduceOp.MAX, group=self._pg)
+            if refused.item() and error is None:
+                self._opt.load_state(before)  # another rank refused: keep what this rank had
+                error = ValueError("load_state_dict: another rank of the process group refused its state_dict; "
+                                   "no rank loaded anything")
+        if error is not None:
+            raise error
         with torch.no_grad():
             for i, (m, a, s) in enumerate(zip(self._masters, self._exp_avg, self._exp_avg_sq)):
                 m.copy_(state[i]["master"])
@@ -415,6 +483,8 @@ class FusedAdamW(torch.optim.Optimizer):
             else:
                 for p, m in zip(self._params, self._masters):
                     p.detach().copy_(m.view_as(p))
+        self._versions = [p._version for p in self._params]  # our own writes
+        self._unstepped = False  # the masters are the checkpoint's, not the rounded parameters
         # The device holds the learning rates of the saved optimizer; param_groups get the saved
         # values, so a change made after its last step is still pushed by the next step.
         self._lrs = list(self._opt.learning_rates())
@@ -422,6 +492,59 @@ class FusedAdamW(torch.optim.Optimizer):
             for key, value in saved.items():
                 if key != "params":
                     mine[key] = value
+
+    def _checked(self, state_dict):
+        """The parts of a state_dict, each checked against this optimizer; raises naming what
+        does not match."""
+        hs = state_dict.get("halfstep") if isinstance(state_dict, dict) else None
+        if not isinstance(hs, dict) or "optimizer_state" not in hs:
+            raise ValueError("load_state_dict: not a halfstep.torch.FusedAdamW state_dict (no 'halfstep' entry)")
+        if hs.get("world") != self._world or hs.get("rank") != self._rank:
+            raise ValueError("load_state_dict: written by rank %s of %s ranks; this is rank %d of %d" %
+                             (hs.get("rank"), hs.get("world"), self._rank, self._world))
+        groups = state_dict.get("param_groups", [])
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
+            raise ValueError("load_state_dict: %s parameter groups, this optimizer has %d" %
+                             (len(groups) if isinstance(groups, (list, tuple)) else "no list of",
+                              len(self.param_groups)))
+        for i, (saved, mine) in enumerate(zip(groups, self.param_groups)):
+            if not isinstance(saved, dict) or not all(k in saved for k in ("params", "lr", "betas", "eps",
+                                                                            "weight_decay")):
+                raise ValueError("load_state_dict: param_groups[%d] must be a dict with params, lr, betas, eps and "
+                                 "weight_decay" % i)
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError("load_state_dict: param_groups[%d] has %d parameters, this optimizer's %d" %
+                                 (i, len(saved["params"]), len(mine["params"])))
+            if self._fixed(saved) != self._hparams[i]:
+                raise ValueError("load_state_dict: param_groups[%d] has betas, eps or weight_decay %s; this "
+                                 "optimizer's are %s" % (i, self._fixed(saved), self._hparams[i]))
+            lr = saved["lr"]
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not _math.isfinite(lr) or lr < 0:
+                raise ValueError("load_state_dict: param_groups[%d]['lr'] must be a finite number >= 0, got %r" %
+                                 (i, lr))
+        state = state_dict.get("state", {})
+        for i, m in enumerate(self._masters):
+            entry = state.get(i) if isinstance(state, dict) else None
+            if not isinstance(entry, dict):
+                raise ValueError("load_state_dict: no state for tensor %d" % i)
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                t = entry.get(key)
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != m.shape:
+                    raise ValueError("load_state_dict: state[%d]['%s'] must be a float32 tensor of shape %s" %
+                                     (i, key, tuple(m.shape)))
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError("load_state_dict: state[%d]['%s'] holds inf or NaN: an applied step never "
+                                     "writes one, so this state was not written by a step" % (i, key))
+            if bool((entry["exp_avg_sq"] < 0).any()):
+                raise ValueError("load_state_dict: state[%d]['exp_avg_sq'] holds negative values" % i)
+            if not bool(torch.isfinite(entry["master"].to(self._dtype)).all()):
+                raise ValueError("load_state_dict: state[%d]['master'] holds values past %s's range: the parameters "
+                                 "could not hold them" % (i, str(self._dtype)[6:]))
+        blob = hs["optimizer_state"]
+        blob = bytes(blob.tolist()) if isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 else blob
+        if not isinstance(blob, (bytes, bytearray)):
+            raise ValueError("load_state_dict: ['halfstep']['optimizer_state'] must be a uint8 tensor")
+        return state, groups, bytes(blob)
 
 
 class _Nothing:

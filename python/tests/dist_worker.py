@@ -1,6 +1,10 @@
 """One rank of test_distributed.py: FusedAdamW over a gloo process group on the CPU.
 
-usage: dist_worker.py RANK WORLD SHARD(0|1) DTYPE INIT_FILE OUT_FILE"""
+usage: dist_worker.py RANK WORLD SHARD(0|1) DTYPE INIT_FILE OUT_FILE [MODE]
+
+MODE train (default): 12 steps from weights that rank 0 broadcasts after the optimizer was built
+(as DistributedDataParallel does); mismatch: rank 1 builds another optimizer; badload: a
+state_dict that rank 0 alone refuses."""
 
 import sys
 
@@ -36,10 +40,10 @@ def injections(world):
             (9, last, total - 1, float("-inf"))]
 
 
-def make(dtype, process_group=None, shard=True):
-    params = fresh_params(SHAPES, dtype, seed=1)  # the same weights on every rank
+def make(dtype, process_group=None, shard=True, seed=1, max_grad_norm=0.5):
+    params = fresh_params(SHAPES, dtype, seed=seed)
     opt = FusedAdamW([dict(params=params[:2], lr=1e-2, weight_decay=0.1), dict(params=params[2:], lr=3e-3)],
-                     max_grad_norm=0.5, scaler=dict(init_scale=2.0 ** 10, growth_interval=4),
+                     max_grad_norm=max_grad_norm, scaler=dict(init_scale=2.0 ** 10, growth_interval=4),
                      process_group=process_group, shard=shard)
     return params, opt
 
@@ -63,11 +67,35 @@ def train(params, opt, dtype, rank, world):
 def main():
     rank, world, shard = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
     dtype = getattr(torch, sys.argv[4])
+    mode = sys.argv[7] if len(sys.argv) > 7 else "train"
     dist.init_process_group("gloo", init_method="file://" + sys.argv[5], rank=rank, world_size=world)
-    params, opt = make(dtype, dist.group.WORLD, shard)
-    reports = train(params, opt, dtype, rank, world)
-    torch.save({"reports": reports, "params": [p.detach() for p in params], "scaler": opt.scaler_state(),
-                "applied": int(opt.applied_steps)}, sys.argv[6])
+    out = {}
+    if mode == "mismatch":
+        try:
+            make(dtype, dist.group.WORLD, shard, max_grad_norm=0.5 if rank != 1 else 1.0)
+        except ValueError as e:
+            out["refused"] = str(e)
+    else:
+        # Each rank starts from its own weights; rank 0's reach every rank after the optimizer was
+        # built (DistributedDataParallel's broadcast): the step takes them as the masters.
+        params, opt = make(dtype, dist.group.WORLD, shard, seed=1 + rank)
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.detach().view(-1).view(torch.uint8), 0)  # (gloo has no bf16)
+        if mode == "badload":
+            train(params, opt, dtype, rank, world)
+            sd = opt.state_dict()
+            if rank == 0:
+                sd["state"][0]["exp_avg"][0] = float("nan")
+            try:
+                opt.load_state_dict(sd)
+            except ValueError as e:
+                out["refused"] = str(e)
+            out["state_after"] = opt.state_dict()["state"]
+            out["expected"] = sd["state"] if rank != 0 else None
+        out["reports"] = train(params, opt, dtype, rank, world)
+        out.update(params=[p.detach() for p in params], scaler=opt.scaler_state(), applied=int(opt.applied_steps))
+    torch.save(out, sys.argv[6])
     dist.destroy_process_group()
 
 

@@ -16,14 +16,14 @@ import dist_worker as W  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def launch(world, shard, dtype, tmp_path):
+def launch(world, shard, dtype, tmp_path, mode="train"):
     init = tmp_path / "init"
     procs, outs = [], []
     for rank in range(world):
         out = tmp_path / ("rank%d.pt" % rank)
         outs.append(out)
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dist_worker.py"), str(rank), str(world),
-                                       "1" if shard else "0", dtype, str(init), str(out)],
+                                       "1" if shard else "0", dtype, str(init), str(out), mode],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     for p in procs:
@@ -81,3 +81,24 @@ def test_inf_on_one_rank_skips_every_rank_with_one_report(world, shard, dtype, t
         assert r["applied"] == int(opt.applied_steps) == W.STEPS - len(skipped)
     assert [without(x, "first_nonfinite_rank", "held_elements") for x in results[0]["reports"]] == \
         [without(x, "first_nonfinite_rank", "held_elements") for x in single]
+
+
+@pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
+def test_ranks_that_build_different_optimizers_are_all_refused(shard, tmp_path):
+    results = launch(3, shard, "float16", tmp_path, mode="mismatch")
+    for rank, r in enumerate(results):
+        assert "the ranks built different optimizers" in r.get("refused", ""), rank
+
+
+@pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
+def test_a_state_dict_refused_on_one_rank_is_loaded_by_none(shard, tmp_path):
+    results = launch(2, shard, "bfloat16", tmp_path, mode="badload")
+    assert "holds inf or NaN" in results[0]["refused"]
+    assert "another rank of the process group refused" in results[1]["refused"]
+    # Rank 1 kept its own state (the one it had, which its state_dict also holds) ...
+    for i, entry in results[1]["state_after"].items():
+        assert all(torch.equal(entry[k], results[1]["expected"][i][k]) for k in entry)
+    # ... and both ranks train on together, in step.
+    assert [without(x, "held_elements") for x in results[0]["reports"]] == \
+        [without(x, "held_elements") for x in results[1]["reports"]]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))

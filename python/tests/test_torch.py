@@ -2,6 +2,7 @@
 
 import io
 import math
+import warnings
 
 import pytest
 
@@ -301,3 +302,97 @@ def test_load_state_dict_refuses_a_mismatch_and_changes_nothing():
     corrupt = dict(good, halfstep=dict(good["halfstep"], optimizer_state=good["halfstep"]["optimizer_state"][:-3].clone()))
     refused(corrupt, halfstep.HalfstepError, "")
     opt.load_state_dict(good)
+
+
+def test_device_views_keep_the_optimizer_alive():
+    import gc
+    import weakref
+    params = fresh_params([(3,)], torch.float16, seed=14)
+    opt = FusedAdamW(params, lr=1e-3, scaler=dict(init_scale=512.0))
+    scale, lr, applied = opt.loss_scale, opt.lr_tensor(0), opt.applied_steps
+    owner = weakref.ref(opt._opt)
+    del opt
+    gc.collect()
+    junk = [bytearray(64) for _ in range(10000)]  # reuse of freed memory would show here
+    assert owner() is not None, "the library's memory lives as long as a view of it"
+    assert (float(scale), float(lr), int(applied)) == (512.0, pytest.approx(1e-3), 0)
+    del scale, lr, applied, junk
+    gc.collect()
+    assert owner() is None, "and is freed with the last view"
+
+
+def test_storage_moved_after_construction_is_refused():
+    params = fresh_params([(4,), (5,)], torch.bfloat16, seed=15)
+    opt = FusedAdamW(params, lr=1e-3)
+    old = params[1].data
+    params[1].data = torch.zeros_like(old)
+    with pytest.raises(RuntimeError, match="parameter 1 now has other storage"):
+        opt.step()
+    params[1].data = old
+    params[0].grad.resize_(400)
+    with pytest.raises(RuntimeError, match=r"gradient buffer \(.grad\) of parameter 0 now has other storage"):
+        opt.step()
+    assert opt.scaler_state()["attempts"] == 0, "nothing ran"
+
+
+def test_weights_written_into_the_parameters_become_the_masters():
+    # torch.optim continues from whatever the parameters hold; so does halfstep: everything
+    # written before the first step (a pretrained state_dict, DDP's broadcast), and in-place
+    # edits later.
+    torch.manual_seed(16)
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    opt = FusedAdamW(model.parameters(), lr=0.5)
+    model.load_state_dict({"weight": torch.full((2, 3), 4.0), "bias": torch.full((2,), -2.0)})
+    for p in model.parameters():
+        p.grad.fill_(opt.loss_scale.item())  # g = +1 everywhere: Adam's first step is -lr
+    opt.step()
+    assert torch.equal(model.weight, torch.full((2, 3), 3.5, dtype=torch.bfloat16))
+    assert torch.equal(model.bias, torch.full((2,), -2.5, dtype=torch.bfloat16))
+    with torch.no_grad():
+        model.bias.fill_(10.0)
+    opt.step()
+    m = masters(opt)
+    assert torch.allclose(m[1], torch.full((2,), 9.5), atol=1e-6), "the edited bias took one more step"
+    assert torch.allclose(m[0], torch.full((2, 3), 3.0), atol=1e-6), "the weight went on from its master"
+
+
+def test_cannot_be_copied_and_refuses_odd_input_by_name():
+    import copy
+    import pickle
+    half = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.float16))  # noqa: E731
+    opt = FusedAdamW([half(3)])
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(opt)
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(opt)
+    with pytest.raises(ValueError, match="no parameters"):
+        FusedAdamW([{"params": []}])
+    z = half(0)
+    with warnings.catch_warnings():  # PyTorch warns of (later versions: refuse) the duplicate itself
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="parameters 0 and 1 are the same tensor|duplicate parameters"):
+            FusedAdamW([z, z])
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        FusedAdamW([half(3)], betas=(0.9,))
+    with pytest.raises(ValueError, match="growth_interval = 4294967301 does not fit"):
+        FusedAdamW([half(3)], scaler=dict(growth_interval=2 ** 32 + 5))
+    with pytest.raises(ValueError, match="warmup_steps = 2147483648 does not fit"):
+        FusedAdamW([half(3)], spike=dict(warmup_steps=2 ** 31))
+
+
+def test_load_state_dict_refuses_rates_and_masters_the_model_cannot_take():
+    params = fresh_params([(4,)], torch.float16, seed=17)
+    opt = FusedAdamW(params, lr=1e-3)
+    good = opt.state_dict()
+    for lr in (None, math.nan, -1.0, torch.tensor(1e-3)):
+        sd = dict(good, param_groups=[dict(good["param_groups"][0], lr=lr)])
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] must be a finite number"):
+            opt.load_state_dict(sd)
+    sd = dict(good, state={0: dict(good["state"][0], master=torch.full((4,), 1e6))})
+    with pytest.raises(ValueError, match="past float16's range"):
+        opt.load_state_dict(sd)
+    sd = dict(good, param_groups=[{k: v for k, v in good["param_groups"][0].items() if k != "betas"}])
+    with pytest.raises(ValueError, match="must be a dict with params, lr, betas"):
+        opt.load_state_dict(sd)
+    opt.step()
+    assert opt.last_report()["outcome"] == "applied"
