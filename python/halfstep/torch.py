@@ -152,6 +152,8 @@ class FusedAdamW(torch.optim.Optimizer):
         # What the library holds the addresses of, and the parameters' version counters: step()
         # refuses moved storage and takes weights written into the parameters as new masters.
         self._layout = self._current_layout()
+        self._param_ptrs = [p.data_ptr() for p in params]
+        self._grad_ptrs = [g.data_ptr() for g in self._grads]
         self._versions = [p._version for p in params]
         self._unstepped = True  # the first step takes the parameters as they are then
         self._built = True
@@ -345,7 +347,10 @@ class FusedAdamW(torch.optim.Optimizer):
         changed."""
         if not all(map(_operator.is_, [p.grad for p in self._params], self._grads)):
             self._refuse_replaced_grads()
-        if self._current_layout() != self._layout:
+        # Addresses alone on the hot path: a view with the same address (another size or dtype)
+        # keeps the memory the library writes alive.
+        if [p.data_ptr() for p in self._params] != self._param_ptrs or \
+                [g.data_ptr() for g in self._grads] != self._grad_ptrs:
             self._refuse_moved_storage()
         stream = self._stream()
         versions = [p._version for p in self._params]
