@@ -10,6 +10,8 @@
 
 #include "halfstep/distributed.hpp"
 
+#include "check.hpp"
+#include "halfstep/error.hpp"
 #include "reference_impl.hpp"
 
 namespace halfstep {
@@ -332,6 +334,12 @@ StepReport step(const std::vector<ParamTensor>& tensors, const StepConfig& confi
                 OptimizerState& state, std::vector<std::int64_t>* nonfinite_per_tensor) {
   validate(tensors, config);
   validate_state(state, config);
+  // As FusedAdamW: a step at the limit would leave a counter unable to count it (the relations
+  // between counters would break), so it is refused before anything changes.
+  if (state.attempts >= kCounterLimit) {
+    throw Error(ErrorKind::usage, detail::concat("reference::step: this state has attempted ", kCounterLimit,
+                                                 " steps (kCounterLimit); its counters are full"));
+  }
   return detail::reference_step(tensors, config, state, nonfinite_per_tensor);
 }
 

@@ -1,7 +1,8 @@
 // Fuzz target: the checkpoint decoder. Whatever the bytes, decode_state either throws a
 // corrupt_state Error or returns a checkpoint that re-encodes to the same bytes, loads into its
-// own configuration, and resumes: reference steps from it never throw and never write a value
-// that is not finite. Each input is tried as it is and with its checksum recomputed, so the
+// own configuration, and resumes: reference steps from it never throw (but the step past
+// kCounterLimit attempts, refused as usage with nothing changed) and never write a value that is
+// not finite. Each input is tried as it is and with its checksum recomputed, so the
 // fuzzer also reaches the field checks behind the CRC.
 #include <zlib.h>
 
@@ -50,6 +51,16 @@ void check(std::string_view bytes) {
     }
     const halfstep_fuzz::Model before = model;
     StepReport r{};
+    if (state.attempts >= kCounterLimit) {  // counters full: refused, nothing changed
+      const OptimizerState full = state;
+      try {
+        (void)reference::step(model.views(), saved.config, state);
+        violated("a step at kCounterLimit attempts ran");
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::usage || !(state == full)) violated("a step at kCounterLimit was not refused cleanly");
+      }
+      break;
+    }
     try {
       r = reference::step(model.views(), saved.config, state);
     } catch (const Error&) {

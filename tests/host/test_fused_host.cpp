@@ -269,6 +269,27 @@ TEST_CASE("a step past kCounterLimit attempts is refused", "[fused]") {
   CHECK(opt.state().attempts == kCounterLimit);
 }
 
+TEST_CASE("reference::step at kCounterLimit attempts is refused and changes nothing", "[fused]") {
+  // Found by the checkpoint fuzzer: a checkpoint at attempts = overflows = 2^53 loaded, the free
+  // step ran (attempts saturated, step became 1) and the next validation refused the state
+  // (overflows > attempts - step).
+  HostModel m = model(55);
+  StepConfig c;
+  OptimizerState full = OptimizerState::initial(c);
+  full.attempts = kCounterLimit;
+  full.scaler.overflows = kCounterLimit;
+  OptimizerState state = full;
+  const HostModel before = m;
+  CHECK(kind_of([&] { (void)reference::step(m.views(), c, state); }) == ErrorKind::usage);
+  CHECK(state == full);
+  for (std::size_t t = 0; t < m.tensors.size(); ++t) CHECK(m.tensors[t].master == before.tensors[t].master);
+  state.attempts = kCounterLimit - 1;
+  state.scaler.overflows = kCounterLimit - 1;
+  (void)reference::step(m.views(), c, state);
+  CHECK(state.attempts == kCounterLimit);
+  CHECK_NOTHROW(validate_state(state, c));
+}
+
 TEST_CASE("workspace_bytes counts the table the partials and the state", "[fused]") {
   const std::size_t one = workspace_bytes({1}, 1);
   const std::size_t many = workspace_bytes(std::vector<std::int64_t>(1000, 1), 1);
