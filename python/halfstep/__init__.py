@@ -7,6 +7,7 @@ addresses. `halfstep.torch.FusedAdamW` is the torch.optim optimizer built on it 
 """
 
 import ctypes as _C
+import math as _math
 
 from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, SKIPPED_NONFINITE_UPDATE,
                    SKIPPED_OVERFLOW, SKIPPED_SPIKE, TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group,
@@ -51,12 +52,14 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
     lib.halfstep_config_init(_C.byref(c))
     c.grad_dtype = c.model_dtype = _DTYPE_NAMES[dtype]
     c.backend = _BACKEND_NAMES[backend]
-    c.max_grad_norm = float(max_grad_norm)
+    c.max_grad_norm = _fp32(max_grad_norm, "max_grad_norm")
     c.host_driven = 1 if host_driven else 0
     for name, value in _options(scaler, SCALER_OPTIONS, "scaler").items():
         _set(c, name, value, "scaler")
     for name, value in _options(spike, SPIKE_OPTIONS, "spike").items():
         if name == "enabled":
+            if value not in (True, False):  # (also 0 and 1)
+                raise ValueError("spike option enabled must be True or False, got %r" % (value,))
             c.spike_enabled = 1 if value else 0
         elif name == "action":
             if value not in ("log", "skip"):
@@ -68,14 +71,29 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
 
 
 def _set(c, field, value, what, name=None):
-    """Sets a config field, refusing an integer the C API's int32 cannot hold."""
-    if isinstance(getattr(c, field), int):
+    """Sets a config field: an integer field takes an integral number the C API's int32 holds, a
+    float field a real number that does not round to 0 in fp32 unless it is 0."""
+    name = "%s option %s" % (what, name or field)
+    setattr(c, field, _int32(value, name) if isinstance(getattr(c, field), int) else _fp32(value, name))
+
+
+def _int32(value, name):
+    if isinstance(value, float) and _math.isfinite(value) and value == int(value):
         value = int(value)
-        if not -2 ** 31 <= value < 2 ** 31:
-            raise ValueError("%s option %s = %d does not fit the C API's int32" % (what, name or field, value))
-    else:
-        value = float(value)
-    setattr(c, field, value)
+    if not isinstance(value, int):
+        raise ValueError("%s must be an integer, got %r" % (name, value))
+    if not -2 ** 31 <= value < 2 ** 31:
+        raise ValueError("%s = %d does not fit the C API's int32" % (name, value))
+    return int(value)
+
+
+def _fp32(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("%s must be a number, got %r" % (name, value))
+    value = float(value)
+    if value != 0 and _C.c_float(value).value == 0:
+        raise ValueError("%s = %r rounds to 0 in fp32, where the step computes" % (name, value))
+    return value
 
 
 def _options(given, names, what):
@@ -97,7 +115,11 @@ def group(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled
     """A halfstep_group (AdamWConfig)."""
     g = Group()
     lib.halfstep_group_init(_C.byref(g))
-    g.lr, g.beta1, g.beta2, g.eps, g.weight_decay = float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if isinstance(value, (int, float)) and value < 1 and _C.c_float(float(value)).value >= 1:
+            raise ValueError("%s = %r rounds to 1 in fp32, where the step computes" % (name, value))
+    g.lr, g.beta1, g.beta2 = _fp32(lr, "lr"), _fp32(beta1, "beta1"), _fp32(beta2, "beta2")
+    g.eps, g.weight_decay = _fp32(eps, "eps"), _fp32(weight_decay, "weight_decay")
     g.decoupled_weight_decay = 1 if decoupled_weight_decay else 0
     g.bias_correction = 1 if bias_correction else 0
     return g

@@ -18,7 +18,7 @@ halfstep's reference backend.
 import ctypes as _C
 import math as _math
 import operator as _operator
-import zlib as _zlib
+import hashlib as _hashlib
 
 import torch
 import torch.distributed as _dist
@@ -30,6 +30,12 @@ __all__ = ["FusedAdamW"]
 
 _DTYPES = {torch.float16: F16, torch.bfloat16: BF16}
 _SIGN = -(2 ** 63)  # flips an int64's sign bit: unsigned order as signed order
+
+
+def _fingerprint(data):
+    """56 bits of a hash of `data`, for ranks to compare (not a CRC: the library's state ends with
+    its own CRC-32, and a CRC over a message and its CRC is the same for every message)."""
+    return int.from_bytes(_hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
 class _CudaArray:
@@ -86,7 +92,33 @@ class FusedAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, max_grad_norm=0.0,
                  scaler=None, spike=None, process_group=None, shard=True):
         self._built = False
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self._pg = process_group
+        self._shard = bool(shard) and process_group is not None
+        if process_group is None:
+            self._world, self._rank = 1, 0
+        else:
+            if not _dist.is_available() or not _dist.is_initialized():
+                raise ValueError("process_group: torch.distributed is not initialised (call "
+                                 "torch.distributed.init_process_group first)")
+            self._world, self._rank = _dist.get_world_size(process_group), _dist.get_rank(process_group)
+            if self._rank < 0:
+                raise ValueError("process_group: this process is not a member of the group")
+        # With a process group, every rank must build the same optimizer or none may: a rank that
+        # refused its arguments would leave the others waiting in the first collective.
+        error, key = None, b""
+        try:
+            key = self._construct(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
+                                  max_grad_norm, scaler, spike)
+        except Exception as e:  # noqa: BLE001 (re-raised below, after the ranks agreed)
+            if process_group is None:
+                raise
+            error = e
+        if process_group is not None:
+            self._agree_on_config(error, key)
+
+    def _construct(self, params, defaults, max_grad_norm, scaler, spike):
+        """Checks the arguments, builds the state and the library's optimizer; returns the
+        fingerprint the ranks of a process group compare."""
         super().__init__(params, defaults)
         params = [p for g in self.param_groups for p in g["params"]]
         if not params:
@@ -103,19 +135,7 @@ class FusedAdamW(torch.optim.Optimizer):
         cfg = config(dtype=_DTYPES[self._dtype], backend=BACKEND_CUDA if cuda else BACKEND_REFERENCE,
                      max_grad_norm=max_grad_norm, scaler=scaler, spike=spike)
         self._group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
-
-        self._pg = process_group
-        self._shard = bool(shard) and process_group is not None
-        if process_group is None:
-            self._world, self._rank = 1, 0
-        else:
-            if not _dist.is_available() or not _dist.is_initialized():
-                raise ValueError("process_group: torch.distributed is not initialised (call "
-                                 "torch.distributed.init_process_group first)")
-            self._world, self._rank = _dist.get_world_size(process_group), _dist.get_rank(process_group)
-            if self._rank < 0:
-                raise ValueError("process_group: this process is not a member of the group")
-            self._agree_on_config(params, max_grad_norm, cfg)
+        self._shapes = [tuple(p.shape) for p in params]
 
         # The flat parameter space (parameters in param-group order) and the range each rank owns:
         # a ceil(total / world) chunk, cut anywhere, also mid-parameter.
@@ -152,26 +172,32 @@ class FusedAdamW(torch.optim.Optimizer):
         # What the library holds the addresses of, and the parameters' version counters: step()
         # refuses moved storage and takes weights written into the parameters as new masters.
         self._layout = self._current_layout()
-        self._param_ptrs = [p.data_ptr() for p in params]
         self._grad_ptrs = [g.data_ptr() for g in self._grads]
         self._versions = [p._version for p in params]
         self._unstepped = True  # the first step takes the parameters as they are then
         self._built = True
+        return repr((str(self._dtype), self._shapes, self._group_of, self._hparams, self._lrs, float(max_grad_norm),
+                     bytes(cfg), self._shard)).encode()
 
     def _current_layout(self):
         return ([(p.data_ptr(), p.numel(), p.dtype) for p in self._params],
                 [(g.data_ptr(), g.numel(), g.dtype) for g in self._grads])
 
-    def _agree_on_config(self, params, max_grad_norm, cfg):
-        """Every rank of the group must build the same optimizer: compare a fingerprint of the
-        parameters' shapes and dtype, the groups, the options and the mode on all ranks, and
-        refuse on every rank if any differs (rather than let collectives hang or mix up data)."""
-        key = repr((str(params[0].dtype), [tuple(p.shape) for p in params], self._group_of, self._hparams,
-                    self._lrs, float(max_grad_norm), bytes(cfg), self._shard)).encode()
-        crc = _zlib.crc32(key)
-        both = torch.tensor([crc, -crc], dtype=torch.int64, device=self._device)
-        _dist.all_reduce(both, op=_dist.ReduceOp.MAX, group=self._pg)
-        high, low = both.tolist()
+    def _agree_on_config(self, error, key):
+        """Every rank of the group must build the same optimizer: the ranks compare whether each
+        built one, and a fingerprint of the parameters' shapes and dtype, the groups, the options
+        and the mode; if any rank refused its arguments or any fingerprint differs, every rank
+        raises (rather than let collectives hang or mix up data)."""
+        crc = _fingerprint(key) if error is None else 0
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if _dist.get_backend(self._pg) == "nccl" else torch.device("cpu")
+        flags = torch.tensor([0 if error is None else 1, crc, -crc], dtype=torch.int64, device=device)
+        _dist.all_reduce(flags, op=_dist.ReduceOp.MAX, group=self._pg)
+        failed, high, low = flags.tolist()
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError("process_group: another rank refused its arguments to FusedAdamW; no rank built one")
         if high != crc or -low != crc:
             raise ValueError("process_group: the ranks built different optimizers (parameter shapes, dtype, "
                              "param groups, hyperparameters, options or shard differ); every rank must build the "
@@ -324,44 +350,66 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _take_written_weights(self, versions, everything):
         """Weights written into the parameters become the masters of those elements, as torch.optim
-        would continue from them: before the first step all of them (whatever wrote them: the
-        model's load_state_dict, DistributedDataParallel's broadcast, which PyTorch's version
-        counters do not see), after it those whose version counter moved (in-place edits).
-        Stream-ordered copies, no synchronisation."""
+        would continue from them: before the first step those of every parameter (whatever wrote
+        them: the model's load_state_dict, DistributedDataParallel's broadcast, which PyTorch's
+        version counters do not see), after it those of parameters whose version counter moved
+        (in-place edits). Only elements that differ from their master rounded to the parameter's
+        format are taken, so an in-place write of the same values (a norm-limiting embedding, a
+        model state_dict loaded after the optimizer's) keeps the masters' precision.
+        Stream-ordered device work, no synchronisation."""
         with torch.no_grad():
             for i, (p, now, then) in enumerate(zip(self._params, versions, self._versions)):
                 if now == then and not everything:
                     continue
                 flat = p.detach().reshape(-1)
                 if not self._shard:
-                    self._masters[i].view(-1).copy_(flat)
+                    self._take(self._masters[i].view(-1), None, flat)
                     continue
                 for j, off, length, at, _ in self._tables[self._rank]:
                     if j == i:
-                        self._masters[0][at:at + length].copy_(flat[off:off + length])
-                        self._model_chunk[at:at + length].copy_(flat[off:off + length])
+                        self._take(self._masters[0][at:at + length], self._model_chunk[at:at + length],
+                                   flat[off:off + length])
         self._versions = versions
+
+    @staticmethod
+    def _take(master, model, weights):
+        changed = weights != master.to(weights.dtype)
+        master.copy_(torch.where(changed, weights.float(), master))
+        if model is not None:
+            model.copy_(weights)
+
+    @torch.no_grad()
+    def resync_weights(self):
+        """Takes the parameters' current values as the masters of every element that differs from
+        its master rounded to the parameter's format. step() does this by itself before the first
+        step and for parameters changed in place since the last one (PyTorch's version counters
+        show those); call this after writes it cannot see: through `.data`, raw pointers, or a
+        collective such as a broadcast after training began. With a process_group, on every rank."""
+        self._take_written_weights([p._version for p in self._params], everything=True)
 
     def _prepare(self):
         """Everything step() checks and pushes before the library runs; raises before anything
         changed."""
         if not all(map(_operator.is_, [p.grad for p in self._params], self._grads)):
             self._refuse_replaced_grads()
-        # Addresses alone on the hot path: a view with the same address (another size or dtype)
-        # keeps the memory the library writes alive.
-        if [p.data_ptr() for p in self._params] != self._param_ptrs or \
+        # The parameters' addresses, sizes and dtypes; the buffers' addresses (one the optimizer
+        # owns keeps its memory alive whatever view of it .grad became).
+        if [(p.data_ptr(), p.numel(), p.dtype) for p in self._params] != self._layout[0] or \
                 [g.data_ptr() for g in self._grads] != self._grad_ptrs:
             self._refuse_moved_storage()
+        lrs = []
+        for i, g in enumerate(self.param_groups):
+            if self._fixed(g) != self._hparams[i]:
+                raise ValueError("param_groups[%d]: betas, eps and weight_decay are fixed at construction; only lr "
+                                 "may change" % i)
+            lrs.append(self._lr_of(g, i))
+        # Checked; from here on, changes.
         stream = self._stream()
         versions = [p._version for p in self._params]
         if self._unstepped or versions != self._versions:
             self._take_written_weights(versions, everything=self._unstepped)
             self._unstepped = False
-        for i, g in enumerate(self.param_groups):
-            if self._fixed(g) != self._hparams[i]:
-                raise ValueError("param_groups[%d]: betas, eps and weight_decay are fixed at construction; only lr "
-                                 "may change" % i)
-            lr = self._lr_of(g, i)
+        for i, lr in enumerate(lrs):
             if lr != self._lrs[i]:
                 self._opt.set_lr(i, lr, stream)  # ordered before this step on the stream
                 self._lrs[i] = lr
@@ -426,6 +474,8 @@ class FusedAdamW(torch.optim.Optimizer):
         """A 0-dim fp32 tensor over the device memory the next step reads group `group_index`'s
         learning rate from: a schedule computed on the device writes it (copy_) without a
         synchronisation. param_groups[i]['lr'] changes still win when step() sees them."""
+        if not isinstance(group_index, int) or not 0 <= group_index < len(self.param_groups):
+            raise IndexError("lr_tensor: group_index must be in [0, %d), got %r" % (len(self.param_groups), group_index))
         return _view(self._opt, self._opt.device_lr_address(group_index), torch.float32, self._device).view(())
 
     def scaler_state(self):
@@ -452,7 +502,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 # The library's state as a uint8 tensor: torch.load(weights_only=True) reads it.
                 "halfstep": {"version": version(),
                              "optimizer_state": torch.frombuffer(bytearray(self._opt.save_state()), dtype=torch.uint8),
-                             "world": self._world, "rank": self._rank}}
+                             "world": self._world, "rank": self._rank, "shapes": list(self._shapes),
+                             "shard": self._shard, "pushed_lr": list(self._lrs)}}
 
     def load_state_dict(self, state_dict):
         """Restores state_dict(): everything is checked first; a mismatch raises (ValueError, or
@@ -461,18 +512,26 @@ class FusedAdamW(torch.optim.Optimizer):
         raises and none changes."""
         error = None
         try:
-            state, groups, blob = self._checked(state_dict)
+            state, groups, blob, pushed = self._checked(state_dict)
             before = self._opt.save_state()
             self._opt.load_state(blob)  # checks the state against the config, then takes it
-        except (ValueError, TypeError, KeyError, HalfstepError) as e:
+        except Exception as e:  # noqa: BLE001 (re-raised below, after the ranks agreed)
+            if self._pg is None:
+                raise
             error = e
         if self._pg is not None:
-            refused = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self._device)
-            _dist.all_reduce(refused, op=_dist.ReduceOp.MAX, group=self._pg)
-            if refused.item() and error is None:
-                self._opt.load_state(before)  # another rank refused: keep what this rank had
-                error = ValueError("load_state_dict: another rank of the process group refused its state_dict; "
-                                   "no rank loaded anything")
+            # Every rank holds the same library state (scaler, counters, rates): the ranks compare
+            # it, so that checkpoints of different steps are not mixed.
+            crc = _fingerprint(blob) if error is None else 0
+            flags = torch.tensor([0 if error is None else 1, crc, -crc], dtype=torch.int64, device=self._device)
+            _dist.all_reduce(flags, op=_dist.ReduceOp.MAX, group=self._pg)
+            failed, high, low = flags.tolist()
+            if error is None and (failed or high != crc or -low != crc):
+                self._opt.load_state(before)  # keep what this rank had
+                error = ValueError("load_state_dict: " + (
+                    "another rank of the process group refused its state_dict" if failed else
+                    "the ranks' state_dicts hold different optimizer states (scaler, counters or rates): they "
+                    "were not saved at the same step") + "; no rank loaded anything")
         if error is not None:
             raise error
         with torch.no_grad():
@@ -490,9 +549,10 @@ class FusedAdamW(torch.optim.Optimizer):
                     p.detach().copy_(m.view_as(p))
         self._versions = [p._version for p in self._params]  # our own writes
         self._unstepped = False  # the masters are the checkpoint's, not the rounded parameters
-        # The device holds the learning rates of the saved optimizer; param_groups get the saved
-        # values, so a change made after its last step is still pushed by the next step.
-        self._lrs = list(self._opt.learning_rates())
+        # The device holds the learning rates of the saved optimizer (also any written through
+        # lr_tensor), param_groups the saved values, and the rates the saved optimizer last pushed
+        # decide, as they would have there, whether the next step pushes param_groups' again.
+        self._lrs = pushed
         for mine, saved in zip(self.param_groups, groups):
             for key, value in saved.items():
                 if key != "params":
@@ -507,6 +567,10 @@ class FusedAdamW(torch.optim.Optimizer):
         if hs.get("world") != self._world or hs.get("rank") != self._rank:
             raise ValueError("load_state_dict: written by rank %s of %s ranks; this is rank %d of %d" %
                              (hs.get("rank"), hs.get("world"), self._rank, self._world))
+        shapes = [tuple(x) for x in hs.get("shapes", ())] if isinstance(hs.get("shapes"), (list, tuple)) else None
+        if shapes != self._shapes or hs.get("shard") != self._shard:
+            raise ValueError("load_state_dict: written for parameters of shapes %s (shard=%s); this optimizer's are "
+                             "%s (shard=%s)" % (shapes, hs.get("shard"), self._shapes, self._shard))
         groups = state_dict.get("param_groups", [])
         if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
             raise ValueError("load_state_dict: %s parameter groups, this optimizer has %d" %
@@ -527,6 +591,10 @@ class FusedAdamW(torch.optim.Optimizer):
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not _math.isfinite(lr) or lr < 0:
                 raise ValueError("load_state_dict: param_groups[%d]['lr'] must be a finite number >= 0, got %r" %
                                  (i, lr))
+        pushed = hs.get("pushed_lr")
+        if not isinstance(pushed, (list, tuple)) or len(pushed) != len(self.param_groups) or not all(
+                isinstance(x, float) and _math.isfinite(x) and x >= 0 for x in pushed):
+            raise ValueError("load_state_dict: ['halfstep']['pushed_lr'] must hold one finite rate >= 0 per group")
         state = state_dict.get("state", {})
         for i, m in enumerate(self._masters):
             entry = state.get(i) if isinstance(state, dict) else None
@@ -549,7 +617,7 @@ class FusedAdamW(torch.optim.Optimizer):
         blob = bytes(blob.tolist()) if isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 else blob
         if not isinstance(blob, (bytes, bytearray)):
             raise ValueError("load_state_dict: ['halfstep']['optimizer_state'] must be a uint8 tensor")
-        return state, groups, bytes(blob)
+        return state, groups, bytes(blob), [float(x) for x in pushed]
 
 
 class _Nothing:

@@ -3,8 +3,9 @@
 usage: dist_worker.py RANK WORLD SHARD(0|1) DTYPE INIT_FILE OUT_FILE [MODE]
 
 MODE train (default): 12 steps from weights that rank 0 broadcasts after the optimizer was built
-(as DistributedDataParallel does); mismatch: rank 1 builds another optimizer; badload: a
-state_dict that rank 0 alone refuses."""
+(as DistributedDataParallel does); mismatch: rank 1 builds another optimizer; badarg: rank 1
+passes an argument its own checks refuse; badload: a state_dict that rank 0 alone refuses;
+mixedsteps: each rank loads a state_dict of another step."""
 
 import sys
 
@@ -70,11 +71,26 @@ def main():
     mode = sys.argv[7] if len(sys.argv) > 7 else "train"
     dist.init_process_group("gloo", init_method="file://" + sys.argv[5], rank=rank, world_size=world)
     out = {}
-    if mode == "mismatch":
+    if mode in ("mismatch", "badarg"):
         try:
-            make(dtype, dist.group.WORLD, shard, max_grad_norm=0.5 if rank != 1 else 1.0)
+            if mode == "mismatch":
+                make(dtype, dist.group.WORLD, shard, max_grad_norm=0.5 if rank != 1 else 1.0)
+            else:  # an argument only rank 1's checks refuse
+                make(dtype, dist.group.WORLD, shard, max_grad_norm=0.5 if rank != 1 else -1.0)
+        except Exception as e:  # noqa: BLE001
+            out["refused"] = "%s: %s" % (type(e).__name__, e)
+    elif mode == "mixedsteps":
+        params, opt = make(dtype, dist.group.WORLD, shard)
+        for k in range(4):  # every rank takes every step (collectives); rank r saves after 2 + r
+            opt.step()
+            if k == 1 + rank:
+                sd = opt.state_dict()
+        before = opt.scaler_state()
+        try:
+            opt.load_state_dict(sd)
         except ValueError as e:
             out["refused"] = str(e)
+        out["unchanged"] = opt.scaler_state() == before
     else:
         # Each rank starts from its own weights; rank 0's reach every rank after the optimizer was
         # built (DistributedDataParallel's broadcast): the step takes them as the masters.

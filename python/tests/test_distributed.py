@@ -102,3 +102,17 @@ def test_a_state_dict_refused_on_one_rank_is_loaded_by_none(shard, tmp_path):
     assert [without(x, "held_elements") for x in results[0]["reports"]] == \
         [without(x, "held_elements") for x in results[1]["reports"]]
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
+def test_an_argument_one_rank_refuses_is_refused_on_every_rank(tmp_path):
+    results = launch(3, True, "float16", tmp_path, mode="badarg")
+    assert "max_grad_norm" in results[1]["refused"]
+    for rank in (0, 2):
+        assert "another rank refused its arguments" in results[rank]["refused"], rank
+
+
+def test_state_dicts_of_different_steps_are_refused_on_every_rank(tmp_path):
+    results = launch(2, False, "float16", tmp_path, mode="mixedsteps")
+    for rank, r in enumerate(results):
+        assert "not saved at the same step" in r["refused"], rank
+        assert r["unchanged"], rank

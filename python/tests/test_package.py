@@ -51,6 +51,19 @@ def test_config_takes_the_librarys_option_names():
         halfstep.config("fp32")
     with pytest.raises(ValueError, match="backend must be 'cuda' or 'reference'"):
         halfstep.config(backend="cpu")
+    bad = [(dict(scaler={"growth_interval": 2.9}), "growth_interval must be an integer, got 2.9"),
+           (dict(scaler={"growth_interval": "7"}), "growth_interval must be an integer"),
+           (dict(scaler={"growth_interval": float("inf")}), "growth_interval must be an integer"),
+           (dict(scaler={"hysteresis": 2 ** 31}), "hysteresis = 2147483648 does not fit"),
+           (dict(scaler={"init_scale": "1024"}), "init_scale must be a number"),
+           (dict(max_grad_norm=1e-50), "max_grad_norm = 1e-50 rounds to 0 in fp32"),
+           (dict(spike={"enabled": "False"}), "enabled must be True or False")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            halfstep.config(**kwargs)
+    assert halfstep.config(scaler={"growth_interval": 2000.0, "headroom_growth": True}).growth_interval == 2000
+    with pytest.raises(ValueError, match="beta2 = 0.99999999 rounds to 1 in fp32"):
+        halfstep.group(beta2=0.99999999)
 
 
 def _f16_buffer(values):

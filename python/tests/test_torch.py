@@ -292,7 +292,9 @@ def test_load_state_dict_refuses_a_mismatch_and_changes_nothing():
     other = FusedAdamW(fresh_params([(4,), (6,)], torch.bfloat16, seed=12), lr=1e-3).state_dict()
     refused(other, halfstep.HalfstepError, "dtype")
     shorter = FusedAdamW(fresh_params([(4,), (5,)], torch.float16, seed=12), lr=1e-3).state_dict()
-    refused(shorter, ValueError, r"state\[1\]\['master'\] must be a float32 tensor of shape \(6,\)")
+    refused(shorter, ValueError, r"written for parameters of shapes \[\(4,\), \(5,\)\]")
+    wrong_shape = dict(good, state={0: good["state"][0], 1: dict(good["state"][1], master=torch.zeros(5))})
+    refused(wrong_shape, ValueError, r"state\[1\]\['master'\] must be a float32 tensor of shape \(6,\)")
     two_groups = FusedAdamW([dict(params=[p]) for p in fresh_params([(4,), (6,)], torch.float16, seed=1)]).state_dict()
     refused(two_groups, ValueError, "2 parameter groups, this optimizer has 1")
     betas = dict(good, param_groups=[dict(good["param_groups"][0], betas=(0.5, 0.9))])
@@ -396,3 +398,79 @@ def test_load_state_dict_refuses_rates_and_masters_the_model_cannot_take():
         opt.load_state_dict(sd)
     opt.step()
     assert opt.last_report()["outcome"] == "applied"
+
+
+def test_in_place_writes_of_the_same_values_keep_the_masters_precision():
+    # A norm-limited embedding renormalises its weight in place on every forward; where the limit
+    # does not bind the values stay, and so must the fp32 masters (only elements that differ from
+    # their rounded master are taken).
+    torch.manual_seed(18)
+    emb = torch.nn.Embedding(10, 4, max_norm=100.0).to(torch.bfloat16)
+    plain = torch.nn.Embedding(10, 4).to(torch.bfloat16)
+    plain.load_state_dict(emb.state_dict())
+    opts = [FusedAdamW(m.parameters(), lr=1e-4) for m in (emb, plain)]
+    idx = torch.arange(10)
+    for _ in range(20):
+        for m, opt in zip((emb, plain), opts):
+            (m(idx).float().sum() * opt.loss_scale).backward()
+            opt.step()
+            opt.zero_grad()
+    assert emb.weight._version > 20, "the embedding did write its weight in place"
+    assert torch.equal(masters(opts[0])[0], masters(opts[1])[0])
+
+
+def test_model_state_dict_loaded_after_the_optimizers_resumes_bitwise():
+    params = fresh_params([(6,), (3,)], torch.bfloat16, seed=19)
+    opt = FusedAdamW(params, lr=1e-2)
+    _run(opt, params, torch.bfloat16, 5, torch.Generator().manual_seed(20))
+    saved_opt, saved_params = opt.state_dict(), [p.detach().clone() for p in params]
+    tail = _run(opt, params, torch.bfloat16, 5, torch.Generator().manual_seed(21))
+    params2 = fresh_params([(6,), (3,)], torch.bfloat16, seed=22)
+    opt2 = FusedAdamW(params2, lr=1e-2)
+    opt2.load_state_dict(saved_opt)
+    with torch.no_grad():  # the model's own state_dict, loaded second
+        for p, v in zip(params2, saved_params):
+            p.copy_(v)
+    tail2 = _run(opt2, params2, torch.bfloat16, 5, torch.Generator().manual_seed(21))
+    same = lambda r: {k: ("nan" if v != v else v) for k, v in r.items()}  # noqa: E731
+    assert [same(r) for r in tail2] == [same(r) for r in tail]
+    assert all(torch.equal(a, b) for a, b in zip(masters(opt2), masters(opt)))
+
+
+def test_resync_weights_takes_writes_step_cannot_see():
+    params = fresh_params([(4,)], torch.float16, seed=23)
+    opt = FusedAdamW(params, lr=1e-3)
+    _run(opt, params, torch.float16, 2, torch.Generator().manual_seed(24))
+    params[0].data.fill_(2.0)  # through .data: PyTorch's version counter does not move
+    opt.resync_weights()
+    assert torch.equal(masters(opt)[0], torch.full((4,), 2.0))
+
+
+def test_a_rate_written_on_the_device_survives_a_checkpoint():
+    params = fresh_params([(4,)], torch.float16, seed=25)
+    opt = FusedAdamW(params, lr=1e-3)
+    opt.lr_tensor(0).fill_(0.1)
+    _run(opt, params, torch.float16, 2, torch.Generator().manual_seed(26))
+    saved = opt.state_dict()
+    opt2 = FusedAdamW(fresh_params([(4,)], torch.float16, seed=27), lr=1e-3)
+    opt2.load_state_dict(saved)
+    opt2.step()
+    assert float(opt2.lr_tensor(0)) == pytest.approx(0.1), "the next step did not push the stale group rate"
+    with pytest.raises(IndexError, match=r"group_index must be in \[0, 1\)"):
+        opt.lr_tensor(2 ** 32)
+
+
+def test_step_refuses_before_it_changes_anything():
+    params = fresh_params([(4,)], torch.bfloat16, seed=28)
+    opt = FusedAdamW([dict(params=params, lr=0.1)])
+    opt.param_groups[0]["lr"] = 0.5
+    opt.param_groups[0]["eps"] = 1e-3
+    with torch.no_grad():
+        params[0].fill_(3.0)
+    with pytest.raises(ValueError, match="only lr may change"):
+        opt.step()
+    assert float(opt.lr_tensor(0)) == pytest.approx(0.1) and not bool((masters(opt)[0] == 3.0).any())
+    opt.param_groups[0]["eps"] = 1e-8
+    params[0].data = params[0].data[:2]
+    with pytest.raises(RuntimeError, match="parameter 0 now has other storage"):
+        opt.step()
