@@ -2,13 +2,7 @@
 # add_subdirectory, then checks that only the library came with it.
 # Run as: cmake -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -P embed_test.cmake
 file(REMOVE_RECURSE "${WORK_DIR}")
-function(run)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}\n${err}")
-  endif()
-  set(out "${out}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/script_run.cmake)
 run(${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/embed" -B "${WORK_DIR}" -G "${GENERATOR}"
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90-real "-DHALFSTEP_SOURCE_DIR=${SOURCE_DIR}")
 run(${CMAKE_COMMAND} --build "${WORK_DIR}" --target help)

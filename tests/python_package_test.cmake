@@ -4,13 +4,7 @@
 # without HALFSTEP_LIBRARY.
 # Run as: cmake -DPYTHON=<venv python> -DSOURCE_DIR=<repo> -DWORK_DIR=<scratch> -P python_package_test.cmake
 file(REMOVE_RECURSE "${WORK_DIR}")
-function(run)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}\n${err}")
-  endif()
-  set(out "${out}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/script_run.cmake)
 run("${PYTHON}" -m pip install --no-build-isolation --no-deps --disable-pip-version-check -q
     --target "${WORK_DIR}/site" --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90-real
     "--config-settings=build-dir=${WORK_DIR}/build" "${SOURCE_DIR}")

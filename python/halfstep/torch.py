@@ -146,6 +146,9 @@ class FusedAdamW(torch.optim.Optimizer):
         # Per rank, what each entry of its halfstep tensor table is: (parameter, offset in it,
         # length, offset in the rank's chunk, counted in the norm).
         self._tables = [self._table(numels, r) for r in range(self._world)]
+        self._pieces_of = [[] for _ in params]  # this rank's pieces of each parameter
+        for i, off, length, at, _ in self._tables[self._rank]:
+            self._pieces_of[i].append((off, length, at))
 
         # Persistent gradient buffers, attached as .grad: autograd accumulates into them in place.
         self._grads = []
@@ -365,10 +368,9 @@ class FusedAdamW(torch.optim.Optimizer):
                 if not self._shard:
                     self._take(self._masters[i].view(-1), None, flat)
                     continue
-                for j, off, length, at, _ in self._tables[self._rank]:
-                    if j == i:
-                        self._take(self._masters[0][at:at + length], self._model_chunk[at:at + length],
-                                   flat[off:off + length])
+                for off, length, at in self._pieces_of[i]:
+                    self._take(self._masters[0][at:at + length], self._model_chunk[at:at + length],
+                               flat[off:off + length])
         self._versions = versions
 
     @staticmethod

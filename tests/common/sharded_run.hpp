@@ -31,6 +31,15 @@ struct FlatBuffers {
     p.numel = static_cast<std::int64_t>(master.size());
     return p;
   }
+  /// `more`'s elements after these (shards joined in rank order).
+  void append(const FlatBuffers& more) {
+    auto join = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
+    join(master, more.master);
+    join(exp_avg, more.exp_avg);
+    join(exp_avg_sq, more.exp_avg_sq);
+    join(grad, more.grad);
+    join(model, more.model);
+  }
   /// Elements [begin, end).
   FlatBuffers slice(std::int64_t begin, std::int64_t end) const {
     auto cut = [&](const auto& v) {

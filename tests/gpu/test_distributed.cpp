@@ -190,14 +190,7 @@ void check_against_one(const ShardedCase& c, const std::vector<RankRun>& ranks,
     }
   }
   FlatBuffers joined;
-  for (const RankRun& me : ranks) {
-    auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
-    append(joined.master, me.buffers.master);
-    append(joined.exp_avg, me.buffers.exp_avg);
-    append(joined.exp_avg_sq, me.buffers.exp_avg_sq);
-    append(joined.grad, me.buffers.grad);
-    append(joined.model, me.buffers.model);
-  }
+  for (const RankRun& me : ranks) joined.append(me.buffers);
   REQUIRE(joined == one.second);
 }
 
@@ -296,14 +289,7 @@ TEST_CASE("gpu two communicators (data- and tensor-parallel) reduce over every r
   halfstep::ParamTensor r_shape;
   r_shape.numel = r_numel;
   whole.layout.push_back(r_shape);
-  auto append = [](FlatBuffers& to, const FlatBuffers& from) {
-    to.master.insert(to.master.end(), from.master.begin(), from.master.end());
-    to.exp_avg.insert(to.exp_avg.end(), from.exp_avg.begin(), from.exp_avg.end());
-    to.exp_avg_sq.insert(to.exp_avg_sq.end(), from.exp_avg_sq.begin(), from.exp_avg_sq.end());
-    to.grad.insert(to.grad.end(), from.grad.begin(), from.grad.end());
-    to.model.insert(to.model.end(), from.model.begin(), from.model.end());
-  };
-  append(whole.initial, extra.initial);
+  whole.initial.append(extra.initial);
   for (std::size_t s = 0; s < whole.grads.size(); ++s) {
     whole.grads[s].insert(whole.grads[s].end(), extra.grads[s].begin(), extra.grads[s].end());
   }
@@ -362,8 +348,8 @@ TEST_CASE("gpu two communicators (data- and tensor-parallel) reduce over every r
     }
   }
   FlatBuffers joined;
-  for (const FlatBuffers& f : shards) append(joined, f);
-  append(joined, replicas[0]);
+  for (const FlatBuffers& f : shards) joined.append(f);
+  joined.append(replicas[0]);
   CHECK(joined == one.second);
   CHECK(replicas[1] == replicas[0]);  // both holders of R applied the same update
 }

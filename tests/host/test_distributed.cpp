@@ -92,14 +92,7 @@ TEST_CASE("N ranks with sharded state step bitwise like one rank for 200 steps",
       }
       // The union of the shards is the unsharded state, bit for bit.
       FlatBuffers joined;
-      for (const RankResult& me : ranks) {
-        auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
-        append(joined.master, me.buffers.master);
-        append(joined.exp_avg, me.buffers.exp_avg);
-        append(joined.exp_avg_sq, me.buffers.exp_avg_sq);
-        append(joined.grad, me.buffers.grad);
-        append(joined.model, me.buffers.model);
-      }
+      for (const RankResult& me : ranks) joined.append(me.buffers);
       CHECK(joined == one.second);
       CHECK(overflows >= 3);
       CHECK(spikes >= 1);
@@ -226,14 +219,7 @@ TEST_CASE("a checkpoint of a 3-rank run resumes on 2 ranks and on 1, bit for bit
       }
     }
     FlatBuffers gathered;
-    for (const FlatBuffers& f : flats) {
-      auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
-      append(gathered.master, f.master);
-      append(gathered.exp_avg, f.exp_avg);
-      append(gathered.exp_avg_sq, f.exp_avg_sq);
-      append(gathered.grad, f.grad);
-      append(gathered.model, f.model);
-    }
+    for (const FlatBuffers& f : flats) gathered.append(f);
     FusedAdamW whole(c.whole(gathered), c.config, Backend::reference);
     whole.load_state(opts[1]->save_state());
     save_checkpoint(whole, names, path);
@@ -268,14 +254,7 @@ TEST_CASE("a checkpoint of a 3-rank run resumes on 2 ranks and on 1, bit for bit
       }
     }
     FlatBuffers joined;
-    for (const FlatBuffers& f : flats) {
-      auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
-      append(joined.master, f.master);
-      append(joined.exp_avg, f.exp_avg);
-      append(joined.exp_avg_sq, f.exp_avg_sq);
-      append(joined.grad, f.grad);
-      append(joined.model, f.model);
-    }
+    for (const FlatBuffers& f : flats) joined.append(f);
     CAPTURE(n);
     CHECK(joined == straight);
     CHECK(opts[0]->state() == one.state());
