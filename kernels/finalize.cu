@@ -3,8 +3,9 @@
 // Reduce: the partials of this rank are added into its StepTotals record. Every quantity is an
 // integer (Σg² as exact limbs, counts, a bit pattern for the maximum, a key for the first inf/NaN),
 // so the order of the additions cannot change a bit.
-// Decide: one thread decodes the record — this rank's, or the one all ranks all-reduced — rounds
-// Σg² once to double and runs decide(): the overflow verdict, norm, spike check, clip
+// Decide: one thread decodes the record — this rank's, or the one all ranks all-reduced — checks
+// it (a record no reduction gives, or ranks with different hyperparameters, is never applied),
+// rounds Σg² once to double and runs decide(): the overflow verdict, norm, spike check, clip
 // coefficient, scaler transition and report; then the block computes each group's constants for
 // pass 2.
 #include "device.cuh"
@@ -70,6 +71,7 @@ __device__ void reduce_partials(const FinalizeArgs& a) {
   r.max[0] = max_bits;
   // Chunks are ordered by tensor, so the first bad chunk belongs to the first bad tensor.
   r.max[1] = first_bad == kNone ? 0 : first_bad_key(a.rank, a.chunks[first_bad].tensor);
+  set_fingerprint(r, hyperparameter_fingerprint(a.params, a.lr, a.n_groups, a.decide.max_grad_norm));
   *a.totals = r;
 }
 
@@ -89,7 +91,7 @@ __device__ void decide_step(const FinalizeArgs& a) {
     apply = decision.apply;
     applied_step = state.step;
     // The next step's bf16 window follows this step's largest gradient, on every rank alike.
-    if ((r.max[0] & 0x7FFFu) != 0) *a.window_hint = static_cast<std::uint32_t>(r.max[0] & 0x7FFFu);
+    if (t.fault == TotalsFault::none && r.max[0] != 0) *a.window_hint = static_cast<std::uint32_t>(r.max[0]);
   }
   __syncthreads();
   if (apply) {  // bias corrections use the applied-step counter after this step

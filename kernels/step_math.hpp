@@ -30,6 +30,64 @@ HALFSTEP_HD inline float magnitude_value(std::uint32_t bits, bool bf16) {
   return static_cast<float>(::ldexp(significand, (e != 0 ? e : 1) - 25));
 }
 
+/// One more 64-bit word into a fingerprint (splitmix64's finalizer over the running value).
+HALFSTEP_HD inline std::uint64_t fingerprint_add(std::uint64_t h, std::uint64_t word) {
+  std::uint64_t z = (h ^ word) + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/// The fingerprint of the hyperparameters a rank steps with, for the record's max[2] and max[3]:
+/// every group's learning rate as the step reads it and its fixed values, and max_grad_norm.
+/// Ranks that must take the same step compare it through the all-reduce.
+HALFSTEP_HD inline std::uint64_t hyperparameter_fingerprint(const GroupParams* groups, const float* lr,
+                                                            std::int32_t n_groups, float max_grad_norm) {
+  std::uint64_t h = fingerprint_add(0, static_cast<std::uint64_t>(n_groups));
+  h = fingerprint_add(h, double_bits(static_cast<double>(max_grad_norm)));
+  for (std::int32_t i = 0; i < n_groups; ++i) {
+    const GroupParams& g = groups[i];
+    h = fingerprint_add(h, double_bits(static_cast<double>(lr[i])));
+    h = fingerprint_add(h, double_bits(static_cast<double>(g.beta1)));
+    h = fingerprint_add(h, double_bits(static_cast<double>(g.beta2)));
+    h = fingerprint_add(h, double_bits(static_cast<double>(g.eps)));
+    h = fingerprint_add(h, double_bits(static_cast<double>(g.weight_decay)));
+    h = fingerprint_add(h, static_cast<std::uint64_t>(g.decoupled) << 1 | g.bias_correction);
+  }
+  return h;
+}
+
+/// Stores a rank's fingerprint in its record: MAX keeps the largest fingerprint in max[2] and the
+/// complement of the smallest in max[3].
+HALFSTEP_HD inline void set_fingerprint(StepTotals& r, std::uint64_t fingerprint) {
+  r.max[2] = fingerprint;
+  r.max[3] = ~fingerprint;
+}
+
+/// Checks `r` against every rule; `t` is r decoded by decode_totals.
+HALFSTEP_HD inline TotalsFault totals_fault(const StepTotals& r, const Totals& t, bool bf16) {
+  constexpr std::uint64_t kSign = 0x8000000000000000ull;
+  for (int i = kSumLimbs; i < StepTotals::kSumWords; ++i) {
+    if (r.sum[i] >= kSign) return TotalsFault::count_past_int64;
+  }
+  // Both below 2^63, so the sum cannot wrap.
+  if (r.sum[kSumLimbs + 1] + r.sum[kSumLimbs + 2] > r.sum[kSumLimbs + 3]) return TotalsFault::counts_past_numel;
+  const std::uint64_t exponent = bf16 ? 0x7F80u : 0x7C00u;
+  if (r.max[0] > 0x7FFFu || (r.max[0] & exponent) == exponent) return TotalsFault::max_not_finite;
+  if ((r.max[1] == 0) != (r.sum[kSumLimbs] == 0)) return TotalsFault::key_count_mismatch;
+  if (r.max[1] != 0 && ((r.max[1] >> 32) < 0x80000000u || (r.max[1] & 0xFFFFFFFFu) < 0x80000000u)) {
+    return TotalsFault::malformed_key;
+  }
+  // Each of the numel squares is at most max|g|² (exact in double); the bound is computed with
+  // two roundings (numel, the product) and Σg² was rounded once, each at most 2^-52 relative:
+  // a margin of 2^-40 covers them and no real excess hides in it.
+  const double max_abs = static_cast<double>(t.max_abs);
+  if (t.sum_sq > static_cast<double>(t.numel) * (max_abs * max_abs) * (1.0 + 0x1p-40)) {
+    return TotalsFault::sum_past_bound;
+  }
+  return TotalsFault::none;
+}
+
 /// Decodes a (reduced) StepTotals record into the decision's totals: Σg² rounded once to nearest.
 HALFSTEP_HD inline Totals decode_totals(const StepTotals& r, bool bf16) {
   std::uint64_t limbs[kSumLimbs];
@@ -47,6 +105,8 @@ HALFSTEP_HD inline Totals decode_totals(const StepTotals& r, bool bf16) {
     t.first_nonfinite_rank = static_cast<std::int32_t>(0xFFFFFFFFu - static_cast<std::uint32_t>(key >> 32));
     t.first_nonfinite_tensor = static_cast<std::int32_t>(0xFFFFFFFFu - static_cast<std::uint32_t>(key));
   }
+  t.fault = totals_fault(r, t, bf16);
+  t.hyperparameters_agree = r.max[2] == ~r.max[3];
   return t;
 }
 
@@ -145,7 +205,15 @@ HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const D
   decision.coef = 0.0f;
   decision.pre = decision.post_a = decision.post_b = 1.0f;
 
-  if (totals.nonfinite > 0) {  // overflow: nothing may be written; the scaler backs off
+  if (totals.fault != TotalsFault::none || !totals.hyperparameters_agree) {
+    // A record no reduction of this step's records gives, or ranks that would not take the same
+    // step: nothing is written and nothing advances but the attempt.
+    report.outcome = Outcome::skipped_inconsistent;
+    report.reason = totals.fault != TotalsFault::none ? SkipReason::inconsistent_totals
+                                                      : SkipReason::hyperparameters_differ;
+    report.grad_norm = NAN;
+    report.clip_coef = NAN;
+  } else if (totals.nonfinite > 0) {  // overflow: nothing may be written; the scaler backs off
     if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, true);
     report.outcome = Outcome::skipped_overflow;
     report.reason = SkipReason::nonfinite_gradient;

@@ -92,6 +92,19 @@ struct Decision {
   float post_b;
 };
 
+/// The rule a (reduced) totals record breaks, or none. Every rule holds for any SUM/MAX reduction
+/// of records pass 1 wrote, whatever the ranks held; a record that breaks one came from a faulty
+/// or mismatched all-reduce (or was written by hand), and is never applied.
+enum class TotalsFault : std::uint8_t {
+  none,
+  count_past_int64,      // a count word is at or past 2^63
+  counts_past_numel,     // subnormal + zero elements outnumber the elements in the norm
+  max_not_finite,        // max[0] is not the pattern of a finite |g| of the format
+  key_count_mismatch,    // an inf/NaN count without a first-inf/NaN key, or a key without one
+  malformed_key,         // max[1]'s halves are not 0xFFFFFFFF - an index below 2^31
+  sum_past_bound,        // Σg² exceeds numel · max|g|²
+};
+
 /// The sums over all chunks (and ranks) that the decision needs: a decoded StepTotals.
 struct Totals {
   double sum_sq = 0.0;                  // Σ g² of the scaled gradient, rounded once
@@ -99,6 +112,8 @@ struct Totals {
   std::int64_t nonfinite = 0, subnormal = 0, zero = 0, numel = 0;
   std::int32_t first_nonfinite_tensor = -1;
   std::int32_t first_nonfinite_rank = -1;
+  TotalsFault fault = TotalsFault::none;  // the rule the record breaks
+  bool hyperparameters_agree = true;      // every rank's hyperparameter fingerprint was the same
 };
 
 /// Everything the decision reads besides the totals and the state.

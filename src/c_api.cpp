@@ -405,15 +405,16 @@ halfstep_status halfstep_checkpoint_metadata(const char* path, const char* key, 
 }
 
 const char* halfstep_version(void) { return halfstep::version(); }
+int32_t halfstep_has_nccl(void) { return halfstep::has_nccl() ? 1 : 0; }
 int32_t halfstep_version_number(void) { return halfstep::version_number(); }
 
 const char* halfstep_outcome_name(int32_t outcome) {
-  if (outcome < 0 || outcome > static_cast<int32_t>(halfstep::Outcome::skipped_nonfinite_update)) return "unknown";
+  if (outcome < 0 || outcome > static_cast<int32_t>(halfstep::Outcome::skipped_inconsistent)) return "unknown";
   return halfstep::outcome_name(static_cast<halfstep::Outcome>(outcome));
 }
 
 const char* halfstep_reason_name(int32_t reason) {
-  if (reason < 0 || reason > static_cast<int32_t>(halfstep::SkipReason::invalid_learning_rate)) return "unknown";
+  if (reason < 0 || reason > static_cast<int32_t>(halfstep::SkipReason::hyperparameters_differ)) return "unknown";
   return halfstep::skip_reason_name(static_cast<halfstep::SkipReason>(reason));
 }
 

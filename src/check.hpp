@@ -17,10 +17,16 @@ std::string concat(Parts&&... parts) {
   return out.str();
 }
 
+/// Throws an invalid-argument Error whose message is the parts, streamed.
+template <class... Parts>
+[[noreturn]] void fail(Parts&&... parts) {
+  throw Error(ErrorKind::invalid_argument, concat(std::forward<Parts>(parts)...));
+}
+
 /// Throws an invalid-argument Error whose message is the parts, streamed, when `ok` is false.
 template <class... Parts>
 void require(bool ok, Parts&&... parts) {
-  if (!ok) throw Error(ErrorKind::invalid_argument, concat(std::forward<Parts>(parts)...));
+  if (!ok) fail(std::forward<Parts>(parts)...);
 }
 
 /// True for finite floats (not NaN, not ±inf).

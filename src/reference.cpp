@@ -13,6 +13,7 @@
 #include "check.hpp"
 #include "halfstep/error.hpp"
 #include "reference_impl.hpp"
+#include "step_math.hpp"
 
 namespace halfstep {
 namespace {
@@ -251,6 +252,15 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
     r.max[1] = (std::uint64_t{0xFFFFFFFFu - static_cast<std::uint32_t>(rank)} << 32) |
                (0xFFFFFFFFu - static_cast<std::uint32_t>(first_bad));
   }
+  std::vector<detail::GroupParams> params;
+  std::vector<float> lr;
+  for (const AdamWConfig& h : config.groups) {
+    params.push_back(detail::group_params(h));
+    lr.push_back(h.lr);
+  }
+  detail::set_fingerprint(r, detail::hyperparameter_fingerprint(params.data(), lr.data(),
+                                                                static_cast<std::int32_t>(params.size()),
+                                                                config.max_grad_norm));
   return r;
 }
 
@@ -289,6 +299,16 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
     r.scale_next = state.scaler.scale;
     return r;
   };
+  // The record's own rules, as the kernels check them (a record is a format, not step math):
+  // one that no reduction gives, or ranks with different hyperparameters, is never applied.
+  const detail::Totals checked = detail::decode_totals(totals, config.grad_dtype == DType::bf16);
+  if (checked.fault != detail::TotalsFault::none || !checked.hyperparameters_agree) {
+    r.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    r.clip_coef = std::numeric_limits<float>::quiet_NaN();
+    return finish(Outcome::skipped_inconsistent, checked.fault != detail::TotalsFault::none
+                                                     ? SkipReason::inconsistent_totals
+                                                     : SkipReason::hyperparameters_differ);
+  }
   if (r.nonfinite_count > 0) {  // overflow: nothing is written, the scaler backs off
     state.scaler = next_state(state.scaler, config.scaler, true);
     r.grad_norm = std::numeric_limits<double>::quiet_NaN();

@@ -122,6 +122,7 @@ const char* outcome_name(Outcome outcome) {
     case Outcome::skipped_overflow: return "skipped_overflow";
     case Outcome::skipped_spike: return "skipped_spike";
     case Outcome::skipped_nonfinite_update: return "skipped_nonfinite_update";
+    case Outcome::skipped_inconsistent: return "skipped_inconsistent";
   }
   return "unknown";
 }
@@ -135,6 +136,8 @@ const char* skip_reason_name(SkipReason reason) {
     case SkipReason::second_moment_exceeds_fp32: return "second_moment_exceeds_fp32";
     case SkipReason::step_size_exceeds_fp32: return "step_size_exceeds_fp32";
     case SkipReason::invalid_learning_rate: return "invalid_learning_rate";
+    case SkipReason::inconsistent_totals: return "inconsistent_totals";
+    case SkipReason::hyperparameters_differ: return "hyperparameters_differ";
   }
   return "unknown";
 }

@@ -31,14 +31,24 @@ namespace halfstep {
 ///   max[0]      the largest finite |gradient| as stored (scaled), as its 16-bit pattern
 ///   max[1]      the first inf/NaN: (0xFFFFFFFF - rank) << 32 | (0xFFFFFFFF - tensor), 0 if none
 ///               (the largest key is the lowest rank, then the lowest tensor index)
+///   max[2]      a 64-bit fingerprint of the hyperparameters the rank steps with (every group's
+///               lr, betas, eps, weight decay and its flags, and max_grad_norm), and
+///   max[3]      its complement: after MAX, max[2] == ~max[3] exactly when every rank's
+///               fingerprint is the same (max[2] is the largest, ~max[3] the smallest)
+///
+/// A record that no reduction of halfstep records could give (a count past 2^63, more zero and
+/// subnormal elements than elements, an inf/NaN count without a key or a key without one, a
+/// maximum that is not a finite pattern, Σg² above numel · max²) is never applied: the step is
+/// skipped with SkipReason::inconsistent_totals. Ranks whose fingerprints differ skip with
+/// SkipReason::hyperparameters_differ, every one of them.
 struct StepTotals {
   static constexpr int kSumLimbs = 19;
   static constexpr int kSumWords = 23;
-  static constexpr int kMaxWords = 2;
+  static constexpr int kMaxWords = 4;
   std::uint64_t sum[kSumWords];
   std::uint64_t max[kMaxWords];
 };
-static_assert(sizeof(StepTotals) == 200, "StepTotals has a documented layout");
+static_assert(sizeof(StepTotals) == 216, "StepTotals has a documented layout");
 
 /// Combines `other` into `into` as the all-reduce does: SUM over `sum`, MAX over `max`.
 void combine(StepTotals& into, const StepTotals& other);
@@ -50,11 +60,18 @@ struct TotalsSummary {
   std::int64_t nonfinite, subnormal, zero, numel;
   std::int32_t first_nonfinite_rank;    ///< -1 if none
   std::int32_t first_nonfinite_tensor;  ///< index in that rank's tensor list; -1 if none
+  bool hyperparameters_agree;           ///< every rank reduced stepped with the same hyperparameters
 };
 
-/// Decodes a record of gradients in `grad_dtype` (f16 or bf16). Throws halfstep::Error if a word
-/// could not have come from a reduction of halfstep records.
+/// Decodes a record of gradients in `grad_dtype` (f16 or bf16). Throws halfstep::Error naming the
+/// word and the rule if the record could not have come from a reduction of halfstep records (the
+/// step skips such a record as SkipReason::inconsistent_totals).
 TotalsSummary summarize(const StepTotals& totals, DType grad_dtype);
+
+/// Whether this libhalfstep was built with NCCL (CMake HALFSTEP_NCCL): without it, a Distributed
+/// with communicators is refused, and the caller reduces the record between step_local and
+/// step_finish (the Python package does, through torch.distributed).
+bool has_nccl();
 
 /// How a FusedAdamW takes part in a multi-rank step.
 struct Distributed {

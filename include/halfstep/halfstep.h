@@ -30,7 +30,8 @@ enum {
   HALFSTEP_APPLIED = 0,
   HALFSTEP_SKIPPED_OVERFLOW = 1,
   HALFSTEP_SKIPPED_SPIKE = 2,
-  HALFSTEP_SKIPPED_NONFINITE_UPDATE = 3 /**< finite gradients, an update that would not be */
+  HALFSTEP_SKIPPED_NONFINITE_UPDATE = 3, /**< finite gradients, an update that would not be */
+  HALFSTEP_SKIPPED_INCONSISTENT = 4      /**< a totals record that cannot be acted on */
 };
 /** Why a step was not applied (halfstep::SkipReason). */
 enum {
@@ -40,7 +41,9 @@ enum {
   HALFSTEP_REASON_GRADIENT_EXCEEDS_FP32 = 3,
   HALFSTEP_REASON_SECOND_MOMENT_EXCEEDS_FP32 = 4,
   HALFSTEP_REASON_STEP_SIZE_EXCEEDS_FP32 = 5,
-  HALFSTEP_REASON_INVALID_LEARNING_RATE = 6
+  HALFSTEP_REASON_INVALID_LEARNING_RATE = 6,
+  HALFSTEP_REASON_INCONSISTENT_TOTALS = 7,
+  HALFSTEP_REASON_HYPERPARAMETERS_DIFFER = 8
 };
 
 /** One parameter tensor (halfstep::ParamTensor). */
@@ -94,7 +97,7 @@ typedef struct halfstep_report {
  *  HALFSTEP_TOTALS_SUM_WORDS with SUM and the next HALFSTEP_TOTALS_MAX_WORDS with MAX, as
  *  unsigned 64-bit integers. */
 #define HALFSTEP_TOTALS_SUM_WORDS 23
-#define HALFSTEP_TOTALS_MAX_WORDS 2
+#define HALFSTEP_TOTALS_MAX_WORDS 4
 
 /** The optimizer's own state (halfstep::OptimizerState): loss scaler, spike detector, counters. */
 typedef struct halfstep_state {
@@ -110,6 +113,9 @@ typedef struct halfstep_optimizer halfstep_optimizer;
 
 /** The library's version, "MAJOR.MINOR.PATCH", and as MAJOR * 10000 + MINOR * 100 + PATCH. */
 const char* halfstep_version(void);
+/** 1 if this library was built with NCCL (communicators may be passed to
+ *  halfstep_create_distributed), 0 if not (reduce the totals record yourself). */
+int32_t halfstep_has_nccl(void);
 int32_t halfstep_version_number(void);
 /** Names of outcomes and skip reasons ("applied", "second_moment_exceeds_fp32", ...); "unknown"
  *  for codes that are neither. */

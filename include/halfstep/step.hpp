@@ -67,9 +67,13 @@ enum class Outcome : std::uint8_t {
   skipped_overflow,         ///< a gradient was inf or NaN; the scaler backed off
   skipped_spike,            ///< the norm was a spike and SpikeConfig::action is skip
   skipped_nonfinite_update, ///< the gradients were finite but the update would not be (reason says why)
+  skipped_inconsistent,     ///< the (all-reduced) totals record cannot be acted on: it is not one a
+                            ///< reduction of halfstep records gives, or the ranks' hyperparameters
+                            ///< differ (reason says which); only the attempt counter advances
 };
 
-/// "applied", "skipped_overflow", "skipped_spike" or "skipped_nonfinite_update".
+/// "applied", "skipped_overflow", "skipped_spike", "skipped_nonfinite_update" or
+/// "skipped_inconsistent".
 const char* outcome_name(Outcome outcome);
 
 /// Why a step was not applied. A step is skipped for a non-finite update when finalize can tell
@@ -84,6 +88,10 @@ enum class SkipReason : std::uint8_t {
   step_size_exceeds_fp32,      ///< lr / (1 - beta1^t) is past it
   invalid_learning_rate,       ///< a group's learning rate, read at this step, is negative, not
                                ///< finite, or makes lr·weight_decay >= 1 with decoupled decay
+  inconsistent_totals,         ///< the totals record breaks a rule every reduction of halfstep
+                               ///< records keeps (a faulty or mismatched all-reduce)
+  hyperparameters_differ,      ///< the ranks stepped with different hyperparameters (a learning
+                               ///< rate changed on one rank only): every rank skips
 };
 
 /// The reason's name: "none", "nonfinite_gradient", "spike", "gradient_exceeds_fp32", ...

@@ -9,11 +9,11 @@ addresses. `halfstep.torch.FusedAdamW` is the torch.optim optimizer built on it 
 import ctypes as _C
 import math as _math
 
-from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, SKIPPED_NONFINITE_UPDATE,
+from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE,
                    SKIPPED_OVERFLOW, SKIPPED_SPIKE, TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group,
                    HalfstepError, Report, State, Tensor, check, lib, library_path)
 
-__all__ = ["Optimizer", "HalfstepError", "version", "config", "group", "report_dict", "SCALER_OPTIONS",
+__all__ = ["Optimizer", "HalfstepError", "version", "has_nccl", "config", "group", "report_dict", "SCALER_OPTIONS",
            "SPIKE_OPTIONS", "F16", "BF16", "BACKEND_CUDA", "BACKEND_REFERENCE", "TOTALS_SUM_WORDS",
            "TOTALS_MAX_WORDS"]
 
@@ -24,6 +24,12 @@ def version():
 
 
 __version__ = version()
+
+
+def has_nccl():
+    """Whether the library was built with NCCL. The package's own build (pip install) is not: it
+    leaves NCCL to PyTorch and reduces the step's record through torch.distributed."""
+    return bool(lib.halfstep_has_nccl())
 
 # ScalerConfig and SpikeConfig fields by their library names (docs/design.md).
 SCALER_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale",

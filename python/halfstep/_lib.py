@@ -14,10 +14,10 @@ ERROR_INTERNAL = 5
 
 F16, BF16 = 0, 1
 BACKEND_CUDA, BACKEND_REFERENCE = 0, 1
-APPLIED, SKIPPED_OVERFLOW, SKIPPED_SPIKE, SKIPPED_NONFINITE_UPDATE = 0, 1, 2, 3
+APPLIED, SKIPPED_OVERFLOW, SKIPPED_SPIKE, SKIPPED_NONFINITE_UPDATE, SKIPPED_INCONSISTENT = 0, 1, 2, 3, 4
 
 TOTALS_SUM_WORDS = 23
-TOTALS_MAX_WORDS = 2
+TOTALS_MAX_WORDS = 4
 
 
 class Tensor(C.Structure):
@@ -85,6 +85,7 @@ def _load(path):
     sig = {
         "halfstep_version": (C.c_char_p, []),
         "halfstep_version_number": (C.c_int32, []),
+        "halfstep_has_nccl": (C.c_int32, []),
         "halfstep_outcome_name": (C.c_char_p, [C.c_int32]),
         "halfstep_reason_name": (C.c_char_p, [C.c_int32]),
         "halfstep_config_init": (None, [C.POINTER(Config)]),

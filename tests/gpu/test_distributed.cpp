@@ -13,6 +13,7 @@
 
 #include "gpu_support.hpp"
 #include "ranks.hpp"
+#include "record_faults.hpp"
 #include "sharded_run.hpp"
 
 using namespace halfstep;
@@ -352,4 +353,48 @@ TEST_CASE("gpu two communicators (data- and tensor-parallel) reduce over every r
   joined.append(replicas[0]);
   CHECK(joined == one.second);
   CHECK(replicas[1] == replicas[0]);  // both holders of R applied the same update
+}
+
+TEST_CASE("gpu a record no reduction gives, or ranks with other hyperparameters, is never applied", "[gpu][distributed]") {
+  for (const bool has_inf : {false, true}) {
+    for (const RecordFault& fault : record_faults(has_inf)) {
+      CAPTURE(has_inf, fault.name);
+      const ShardedCase c = ShardedCase::make(963, DType::bf16, 3, 3000);
+      DeviceFlat flat(c.initial);
+      std::vector<ParamTensor> whole = c.layout;
+      std::int64_t at = 0;
+      for (ParamTensor& p : whole) {  // the flat device buffers, tensor by tensor
+        p.master = flat.master.ptr + at;
+        p.grad = flat.grad.ptr + at;
+        p.exp_avg = flat.exp_avg.ptr + at;
+        p.exp_avg_sq = flat.exp_avg_sq.ptr + at;
+        p.model = flat.model.ptr + at;
+        at += p.numel;
+      }
+      FusedAdamW opt(whole, c.config);
+      for (int k = 0; k < 2; ++k) {
+        flat.grad.put(c.grads[static_cast<std::size_t>(k)]);
+        opt.step();
+      }
+      std::vector<std::uint16_t> g = c.grads[2];
+      if (has_inf) g[g.size() / 3] = 0x7F80;  // +inf in bf16
+      flat.grad.put(g);
+      const FlatBuffers before = flat.download();
+      const OptimizerState state = opt.state();
+      opt.step_local();
+      StepTotals record{};
+      must(cudaMemcpy(&record, opt.device_totals(), sizeof record, cudaMemcpyDeviceToHost), "download");
+      fault.apply(record);
+      must(cudaMemcpy(opt.device_totals(), &record, sizeof record, cudaMemcpyHostToDevice), "upload");
+      must(cudaStreamSynchronize(cudaStreamLegacy), "upload");
+      opt.step_finish();
+      const StepReport r = opt.last_report();
+      CHECK(r.outcome == Outcome::skipped_inconsistent);
+      CHECK(r.reason == fault.reason);
+      CHECK(flat.download() == before);
+      OptimizerState expected = state;
+      expected.attempts += 1;  // only the attempt counts
+      CHECK(opt.state() == expected);
+    }
+  }
 }

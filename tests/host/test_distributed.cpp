@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <random>
 
@@ -12,6 +13,7 @@
 #include "halfstep/fused_adamw.hpp"
 #include "halfstep/safetensors.hpp"
 #include "ranks.hpp"
+#include "record_faults.hpp"
 #include "sharded_run.hpp"
 
 using namespace halfstep;
@@ -154,6 +156,79 @@ TEST_CASE("shard cuts tensors anywhere and names where each piece came from", "[
   CHECK(even_shard(10, 3, 2) == std::make_pair<std::int64_t, std::int64_t>(8, 10));
   CHECK(even_shard(2, 3, 2) == std::make_pair<std::int64_t, std::int64_t>(2, 2));  // empty
   CHECK_THROWS_WITH(even_shard(10, 3, 3), Catch::Contains("rank must be in [0, 3)"));
+  // Near 2^63 elements: the last range ends at numel, with no product past INT64_MAX (UBSan).
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  CHECK(even_shard(kMax, 2, 1) == std::make_pair(kMax / 2 + 1, kMax));
+  CHECK(even_shard(kMax, 2, 0) == std::make_pair(std::int64_t{0}, kMax / 2 + 1));
+  CHECK(even_shard(kMax, 7, 6).second == kMax);
+  CHECK(even_shard(kMax - 1, 2147483647, 2147483646).second == kMax - 1);
+}
+
+TEST_CASE("a record no reduction gives, or ranks with other hyperparameters, is never applied", "[distributed][validate]") {
+  for (const bool has_inf : {false, true}) {
+    for (const RecordFault& fault : record_faults(has_inf)) {
+      CAPTURE(has_inf, fault.name);
+      ShardedCase c = ShardedCase::make(961, DType::f16, 3, 200);
+      FlatBuffers flat = c.initial;
+      FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
+      for (int k = 0; k < 2; ++k) {
+        flat.grad = c.grads[static_cast<std::size_t>(k)];
+        opt.step();
+      }
+      flat.grad = c.grads[2];
+      if (has_inf) flat.grad[flat.grad.size() / 2] = 0xFC00;  // -inf
+      const FlatBuffers before = flat;
+      const OptimizerState state = opt.state();
+      opt.step_local();
+      fault.apply(*opt.device_totals());
+      opt.step_finish();
+      const StepReport r = opt.last_report();
+      CHECK(r.outcome == Outcome::skipped_inconsistent);
+      CHECK(r.reason == fault.reason);
+      CHECK(flat == before);
+      OptimizerState expected = state;
+      expected.attempts += 1;  // only the attempt counts
+      CHECK(opt.state() == expected);
+      if (fault.reason == SkipReason::inconsistent_totals) {
+        CHECK_THROWS_AS(summarize(*opt.device_totals(), DType::f16), Error);  // the same rules, by name
+      } else {
+        CHECK(!summarize(*opt.device_totals(), DType::f16).hyperparameters_agree);
+      }
+    }
+  }
+}
+
+TEST_CASE("ranks whose learning rates differ all skip the step, naming why, and stay replicas", "[distributed][validate]") {
+  ShardedCase c = ShardedCase::make(962, DType::bf16, 6, 300);
+  std::vector<FlatBuffers> flats(2, c.initial);
+  std::vector<std::unique_ptr<FusedAdamW>> opts;
+  for (int r = 0; r < 2; ++r) {
+    opts.push_back(std::make_unique<FusedAdamW>(c.whole(flats[static_cast<std::size_t>(r)]), c.config,
+                                                Distributed{r, {}}, Backend::reference));
+  }
+  for (int step = 0; step < 6; ++step) {
+    if (step == 3) opts[1]->set_lr(1, c.config.groups[1].lr * 0.5f);  // one rank's schedule only
+    StepTotals total_record{};
+    for (int r = 0; r < 2; ++r) {
+      flats[static_cast<std::size_t>(r)].grad = c.grads[static_cast<std::size_t>(step)];
+      opts[static_cast<std::size_t>(r)]->step_local();
+      combine(total_record, *opts[static_cast<std::size_t>(r)]->device_totals());
+    }
+    for (int r = 0; r < 2; ++r) {
+      *opts[static_cast<std::size_t>(r)]->device_totals() = total_record;
+      opts[static_cast<std::size_t>(r)]->step_finish();
+      const StepReport rep = opts[static_cast<std::size_t>(r)]->last_report();
+      CAPTURE(step, r);
+      if (step >= 3) {
+        CHECK(rep.outcome == Outcome::skipped_inconsistent);
+        CHECK(rep.reason == SkipReason::hyperparameters_differ);
+      } else {
+        CHECK(rep.reason != SkipReason::hyperparameters_differ);
+      }
+    }
+    CHECK(!(summarize(total_record, DType::bf16).hyperparameters_agree) == (step >= 3));
+    CHECK(flats[0] == flats[1]);
+  }
 }
 
 TEST_CASE("the split step refuses calls out of order and the reference backend refuses communicators", "[distributed][validate]") {

@@ -17,6 +17,7 @@
 #include "host_buffers.hpp"
 #include "reference_impl.hpp"
 #include "step_check.hpp"
+#include "step_math.hpp"
 
 using namespace halfstep;
 using halfstep_test::same_bits;
@@ -152,7 +153,7 @@ TEST_CASE("the kernels' rounding of the exact sum is the reference's, ties inclu
       }
     }
     const StepTotals r = record_of_digits(limbs);
-    const double kernels = summarize(r, DType::bf16).sum_sq;
+    const double kernels = detail::decode_totals(r, true).sum_sq;  // (digits alone: not a whole record)
     const double reference = detail::reference_sum_of_squares(r);
     CAPTURE(trial);
     REQUIRE(same_bits(kernels, reference));
@@ -161,10 +162,11 @@ TEST_CASE("the kernels' rounding of the exact sum is the reference's, ties inclu
   // Ties to even, by hand: 2^53 + 1 and 2^53 + 3 units lie halfway; they round to 2^53 and 2^53 + 4.
   std::vector<std::uint64_t> limbs(StepTotals::kSumLimbs, 0);
   add_at(limbs, (std::uint64_t{1} << 53) + 1, 0);
-  CHECK(summarize(record_of_digits(limbs), DType::f16).sum_sq == std::ldexp(1.0, 53 - 266));
+  CHECK(detail::decode_totals(record_of_digits(limbs), false).sum_sq == std::ldexp(1.0, 53 - 266));
   std::fill(limbs.begin(), limbs.end(), 0);
   add_at(limbs, (std::uint64_t{1} << 53) + 3, 0);
-  CHECK(summarize(record_of_digits(limbs), DType::f16).sum_sq == std::ldexp(static_cast<double>((std::uint64_t{1} << 53) + 4), -266));
+  CHECK(detail::decode_totals(record_of_digits(limbs), false).sum_sq ==
+        std::ldexp(static_cast<double>((std::uint64_t{1} << 53) + 4), -266));
 }
 
 TEST_CASE("the record of a set of gradients is the same however it is split and combined", "[exact_sum][distributed]") {
@@ -272,6 +274,15 @@ TEST_CASE("summarize refuses words no reduction of records could give", "[exact_
   r.sum[StepTotals::kSumLimbs + 1] = 5;  // subnormals without elements
   CHECK_THROWS_WITH(summarize(r, DType::f16), Catch::Contains("outnumber"));
   r.sum[StepTotals::kSumLimbs + 1] = 0;
+  r.sum[StepTotals::kSumLimbs] = std::uint64_t{1} << 63;  // a negative count
+  CHECK_THROWS_WITH(summarize(r, DType::f16), Catch::Contains("past any count of elements"));
+  r.sum[StepTotals::kSumLimbs] = 0;
+  r.sum[0] = 1;  // a square without elements
+  CHECK_THROWS_WITH(summarize(r, DType::f16), Catch::Contains("exceeds the element count"));
+  r.sum[0] = 0;
   CHECK_THROWS_WITH(summarize(r, DType::f32), Catch::Contains("grad_dtype"));
   CHECK_NOTHROW(summarize(r, DType::bf16));
+  CHECK(!summarize(r, DType::bf16).hyperparameters_agree);  // no rank's fingerprint
+  r.max[3] = ~r.max[2];
+  CHECK(summarize(r, DType::bf16).hyperparameters_agree);
 }
