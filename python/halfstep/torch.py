@@ -15,16 +15,20 @@ synchronises (the whole training step can be captured in a CUDA graph); on CPU t
 halfstep's reference backend.
 """
 
+import contextlib as _contextlib
 import ctypes as _C
-import math as _math
-import operator as _operator
 import hashlib as _hashlib
+import math as _math
+import numbers as _numbers
+import operator as _operator
+import threading as _threading
 
 import torch
 import torch.distributed as _dist
 
 from . import (BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, HalfstepError,
                Optimizer, config, group, version)
+from . import _fp32
 
 __all__ = ["FusedAdamW"]
 
@@ -129,7 +133,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self._device = params[0].device
         cuda = self._device.type == "cuda"
         self._hparams = [self._fixed(g) for g in self.param_groups]
-        self._lrs = [self._lr_of(g, i) for i, g in enumerate(self.param_groups)]
+        self._lrs = [self._lr_of(g, i, self._hparams[i][2]) for i, g in enumerate(self.param_groups)]
         groups = [group(lr=self._lrs[i], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                         weight_decay=g["weight_decay"]) for i, g in enumerate(self.param_groups)]
         cfg = config(dtype=_DTYPES[self._dtype], backend=BACKEND_CUDA if cuda else BACKEND_REFERENCE,
@@ -160,27 +164,44 @@ class FusedAdamW(torch.optim.Optimizer):
                 p.grad = buf
                 self._grads.append(buf)
             tensors = self._build_state(params)
-        with (torch.cuda.device(self._device) if cuda else _Nothing()):
+        with (torch.cuda.device(self._device) if cuda else _contextlib.nullcontext()):
             if cuda:
                 torch.cuda.current_stream(self._device).synchronize()  # the copies above have landed
             self._opt = Optimizer(tensors, groups, cfg, rank=self._rank)
-        #: The loss scale for the next backward pass: a 0-dim fp32 tensor over the optimizer's own
-        #: memory (on the parameters' device), updated in place by every step.
-        self.loss_scale = _view(self._opt, self._opt.loss_scale_address(), torch.float32, self._device).view(())
-        #: Applied steps so far (the Adam t): a 0-dim int64 tensor that every applied step
-        #: advances in place, on the device; skipped steps leave it alone.
-        self.applied_steps = _view(self._opt, self._opt.step_count_address(), torch.int64, self._device).view(())
+        # The live scale and applied-step counter in the library's memory; users get copies
+        # (loss_scale, applied_steps), so that only the step writes them.
+        self._live_scale = _view(self._opt, self._opt.loss_scale_address(), torch.float32, self._device).view(())
+        self._live_steps = _view(self._opt, self._opt.step_count_address(), torch.int64, self._device).view(())
         self._totals = _view(self._opt, self._opt.totals_address(), torch.int64, self._device,
                              TOTALS_SUM_WORDS + TOTALS_MAX_WORDS)
         # What the library holds the addresses of, and the parameters' version counters: step()
         # refuses moved storage and takes weights written into the parameters as new masters.
         self._layout = self._current_layout()
-        self._grad_ptrs = [g.data_ptr() for g in self._grads]
         self._versions = [p._version for p in params]
         self._unstepped = True  # the first step takes the parameters as they are then
+        # The groups' parameters as built: the tensor table is fixed, so step() refuses a
+        # param_groups whose structure changed.
+        self._group_params = [list(g["params"]) for g in self.param_groups]
+        # step(), state_dict(), load_state_dict() and resync_weights() from several threads run one
+        # at a time (the library's calls release the GIL; interleaved, updates would be lost).
+        self._lock = _threading.RLock()
         self._built = True
         return repr((str(self._dtype), self._shapes, self._group_of, self._hparams, self._lrs, float(max_grad_norm),
                      bytes(cfg), self._shard)).encode()
+
+    @property
+    def loss_scale(self):
+        """The loss scale for the next backward pass: a new 0-dim fp32 tensor on the parameters'
+        device, copied from the optimizer's own memory on the current stream (no synchronisation;
+        inside a captured CUDA graph, the copy replays with it). Writing into it changes nothing:
+        only the step moves the scale."""
+        return self._live_scale.clone()
+
+    @property
+    def applied_steps(self):
+        """Applied steps so far (the Adam t), as a new 0-dim int64 tensor on the parameters'
+        device, copied like loss_scale; skipped steps do not advance it."""
+        return self._live_steps.clone()
 
     def _current_layout(self):
         return ([(p.data_ptr(), p.numel(), p.dtype) for p in self._params],
@@ -317,12 +338,24 @@ class FusedAdamW(torch.optim.Optimizer):
         return (tuple(float(b) for b in betas), float(g["eps"]), float(g["weight_decay"]))
 
     @staticmethod
-    def _lr_of(g, i):
+    def _lr_of(g, i, weight_decay):
+        """Group i's learning rate, checked by the library's rules (so that a refused step has
+        pushed nothing): a real number, finite, >= 0, not rounding to 0 in fp32 unless 0, and
+        lr·weight_decay < 1 (the decay factor 1 - lr·wd must stay positive)."""
         lr = g["lr"]
+        where = "param_groups[%d]['lr']" % i
         if isinstance(lr, torch.Tensor):
-            raise TypeError("param_groups[%d]['lr'] is a tensor: give a number, or write the rate on the "
-                            "device through opt.lr_tensor(%d)" % (i, i))
-        return float(lr)
+            raise TypeError("%s is a tensor: give a number, or write the rate on the device through "
+                            "opt.lr_tensor(%d)" % (where, i))
+        if isinstance(lr, bool) or not isinstance(lr, _numbers.Real):
+            raise ValueError("%s must be a number, got %r" % (where, lr))
+        lr = _fp32(float(lr), where)
+        if not _math.isfinite(_C.c_float(lr).value) or lr < 0:
+            raise ValueError("%s must be finite and >= 0, got %r" % (where, lr))
+        if float(_C.c_float(lr).value) * float(_C.c_float(weight_decay).value) >= 1:
+            raise ValueError("%s * weight_decay must be < 1 (the factor 1 - lr·wd multiplies every weight each "
+                             "step), got %r * %r" % (where, lr, weight_decay))
+        return lr
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -339,6 +372,17 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise RuntimeError("parameter %d's .grad was replaced by another tensor: halfstep reads gradients "
                                    "from the buffer it attached (restore it with opt.zero_grad(), or copy into "
                                    "p.grad instead of assigning)" % i)
+
+    def _refuse_changed_groups(self):
+        if len(self.param_groups) != len(self._group_params):
+            raise ValueError("param_groups has %d groups; this optimizer was built with %d: groups cannot be added "
+                             "(add_param_group) or removed after construction, since the fused step's tensor table "
+                             "is built once. Build a new FusedAdamW" % (len(self.param_groups), len(self._group_params)))
+        for i, (g, built) in enumerate(zip(self.param_groups, self._group_params)):
+            if len(g["params"]) != len(built) or not all(map(_operator.is_, g["params"], built)):
+                raise ValueError("param_groups[%d]['params'] was changed after construction (%d parameters, built with "
+                                 "%d): the fused step's tensor table is built once; build a new FusedAdamW"
+                                 % (i, len(g["params"]), len(built)))
 
     def _refuse_moved_storage(self):
         params, grads = self._current_layout()
@@ -387,30 +431,32 @@ class FusedAdamW(torch.optim.Optimizer):
         step and for parameters changed in place since the last one (PyTorch's version counters
         show those); call this after writes it cannot see: through `.data`, raw pointers, or a
         collective such as a broadcast after training began. With a process_group, on every rank."""
-        self._take_written_weights([p._version for p in self._params], everything=True)
+        with self._lock:
+            self._take_written_weights([p._version for p in self._params], everything=True)
 
     def _prepare(self):
         """Everything step() checks and pushes before the library runs; raises before anything
         changed."""
         if not all(map(_operator.is_, [p.grad for p in self._params], self._grads)):
             self._refuse_replaced_grads()
-        # The parameters' addresses, sizes and dtypes; the buffers' addresses (one the optimizer
-        # owns keeps its memory alive whatever view of it .grad became).
-        if [(p.data_ptr(), p.numel(), p.dtype) for p in self._params] != self._layout[0] or \
-                [g.data_ptr() for g in self._grads] != self._grad_ptrs:
+        # The parameters' and the gradient buffers' addresses, sizes and dtypes (a buffer the
+        # optimizer owns keeps its memory alive whatever view of it .grad became; resize_ changes
+        # its size in place).
+        if self._current_layout() != self._layout:
             self._refuse_moved_storage()
+        if len(self.param_groups) != len(self._group_params) or not all(
+                len(g["params"]) == len(built) and all(map(_operator.is_, g["params"], built))
+                for g, built in zip(self.param_groups, self._group_params)):
+            self._refuse_changed_groups()
         lrs = []
         for i, g in enumerate(self.param_groups):
             if self._fixed(g) != self._hparams[i]:
                 raise ValueError("param_groups[%d]: betas, eps and weight_decay are fixed at construction; only lr "
                                  "may change" % i)
-            lrs.append(self._lr_of(g, i))
+            lrs.append(self._lr_of(g, i, self._hparams[i][2]))
         # Checked; from here on, changes.
         stream = self._stream()
-        versions = [p._version for p in self._params]
-        if self._unstepped or versions != self._versions:
-            self._take_written_weights(versions, everything=self._unstepped)
-            self._unstepped = False
+        self._take_pending_weights()
         for i, lr in enumerate(lrs):
             if lr != self._lrs[i]:
                 self._opt.set_lr(i, lr, stream)  # ordered before this step on the stream
@@ -425,9 +471,9 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stream = self._prepare()
-        ctx = torch.cuda.device(self._device) if self._device.type == "cuda" else _Nothing()
-        with ctx:
+        ctx = torch.cuda.device(self._device) if self._device.type == "cuda" else _contextlib.nullcontext()
+        with self._lock, ctx:
+            stream = self._prepare()
             if self._pg is None:
                 self._opt.step(stream)
             else:
@@ -468,7 +514,7 @@ class FusedAdamW(torch.optim.Optimizer):
         """The last step's StepReport as a dict (outcome and reason as strings); waits for that
         step only. first_nonfinite_tensor is the index of the parameter (in param-group order)."""
         r = self._opt.last_report()
-        if r["first_nonfinite_tensor"] >= 0:
+        if r["first_nonfinite_tensor"] >= 0 and r["outcome"] != "skipped_inconsistent":
             r["first_nonfinite_tensor"] = self._tables[r["first_nonfinite_rank"]][r["first_nonfinite_tensor"]][0]
         return r
 
@@ -486,10 +532,27 @@ class FusedAdamW(torch.optim.Optimizer):
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    @torch.no_grad()
     def state_dict(self):
         """Masters, moments, learning rates and the halfstep state (the scaler, the spike
         detector, the counters): torch.save writes it, load_state_dict resumes bitwise. With a
-        process_group it holds this rank's shard and is loaded by the same rank of the same world."""
+        process_group it holds this rank's shard and is loaded by the same rank of the same world.
+        Weights written into the parameters since the last step (a model's load_state_dict, a
+        broadcast before the first step, an in-place edit) are taken into the masters first, as
+        the next step would take them, so the state_dict resumes the weights the model holds."""
+        with self._lock:
+            self._take_pending_weights()
+            return self._state_dict()
+
+    def _take_pending_weights(self):
+        """What the next step takes from the parameters before it runs: before the first step
+        every parameter, after it those whose version counter moved."""
+        versions = [p._version for p in self._params]
+        if self._unstepped or versions != self._versions:
+            self._take_written_weights(versions, everything=self._unstepped)
+            self._unstepped = False
+
+    def _state_dict(self):
         groups = []
         index = 0
         for g in self.param_groups:
@@ -512,6 +575,10 @@ class FusedAdamW(torch.optim.Optimizer):
         halfstep.HalfstepError from the library) naming it, and nothing changes. With a
         process_group every rank must call it; if any rank refuses its state_dict, every rank
         raises and none changes."""
+        with self._lock:
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict):
         error = None
         try:
             state, groups, blob, pushed = self._checked(state_dict)
@@ -621,10 +688,3 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError("load_state_dict: ['halfstep']['optimizer_state'] must be a uint8 tensor")
         return state, groups, bytes(blob), [float(x) for x in pushed]
 
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -5,7 +5,9 @@ usage: dist_worker.py RANK WORLD SHARD(0|1) DTYPE INIT_FILE OUT_FILE [MODE]
 MODE train (default): 12 steps from weights that rank 0 broadcasts after the optimizer was built
 (as DistributedDataParallel does); mismatch: rank 1 builds another optimizer; badarg: rank 1
 passes an argument its own checks refuse; badload: a state_dict that rank 0 alone refuses;
-mixedsteps: each rank loads a state_dict of another step."""
+mixedsteps: each rank loads a state_dict of another step; lronerank: rank 1 alone changes a
+learning rate before step 5; resume: a state_dict taken right after rank 0's weights were
+broadcast (before any step) is loaded into a new optimizer on other weights, and both train on."""
 
 import sys
 
@@ -49,10 +51,12 @@ def make(dtype, process_group=None, shard=True, seed=1, max_grad_norm=0.5):
     return params, opt
 
 
-def train(params, opt, dtype, rank, world):
+def train(params, opt, dtype, rank, world, lr_change=None):
     gen = torch.Generator().manual_seed(2)
     reports = []
     for step in range(STEPS):
+        if lr_change is not None and step == lr_change:
+            opt.param_groups[0]["lr"] *= 0.5
         _, grads = scaled_grads(SHAPES, dtype, float(opt.loss_scale), gen, 1e-2)  # as after DDP: the same everywhere
         for at, holder, flat, value in injections(world):
             if at == step and holder == rank:
@@ -79,6 +83,19 @@ def main():
                 make(dtype, dist.group.WORLD, shard, max_grad_norm=0.5 if rank != 1 else -1.0)
         except Exception as e:  # noqa: BLE001
             out["refused"] = "%s: %s" % (type(e).__name__, e)
+    elif mode == "resume":
+        params, opt = make(dtype, dist.group.WORLD, shard, seed=1 + rank)
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.detach().view(-1).view(torch.uint8), 0)
+        sd = opt.state_dict()  # before any step: the masters must be the broadcast weights
+        other, resumed = make(dtype, dist.group.WORLD, shard, seed=50 + rank)
+        resumed.load_state_dict(sd)
+        out["loaded"] = [p.detach().clone() for p in other]
+        out["broadcast"] = [p.detach().clone() for p in params]
+        out["reports"] = train(params, opt, dtype, rank, world)
+        out["resumed_reports"] = train(other, resumed, dtype, rank, world)
+        out.update(params=[p.detach() for p in params], resumed_params=[p.detach() for p in other])
     elif mode == "mixedsteps":
         params, opt = make(dtype, dist.group.WORLD, shard)
         for k in range(4):  # every rank takes every step (collectives); rank r saves after 2 + r
@@ -109,7 +126,8 @@ def main():
                 out["refused"] = str(e)
             out["state_after"] = opt.state_dict()["state"]
             out["expected"] = sd["state"] if rank != 0 else None
-        out["reports"] = train(params, opt, dtype, rank, world)
+        out["reports"] = train(params, opt, dtype, rank, world,
+                               lr_change=5 if mode == "lronerank" and rank == 1 else None)
         out.update(params=[p.detach() for p in params], scaler=opt.scaler_state(), applied=int(opt.applied_steps))
     torch.save(out, sys.argv[6])
     dist.destroy_process_group()

@@ -116,3 +116,27 @@ def test_state_dicts_of_different_steps_are_refused_on_every_rank(tmp_path):
     for rank, r in enumerate(results):
         assert "not saved at the same step" in r["refused"], rank
         assert r["unchanged"], rank
+
+
+@pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
+def test_a_learning_rate_changed_on_one_rank_skips_that_step_on_every_rank(shard, tmp_path):
+    results = launch(2, shard, "float16", tmp_path, mode="lronerank")
+    for r in results:
+        # From step 5 on the ranks' rates differ: every rank skips, naming why, every step.
+        assert [(x["outcome"], x["reason"]) for x in r["reports"][5:]] == \
+            [("skipped_inconsistent", "hyperparameters_differ")] * (W.STEPS - 5)
+        assert [without(x, "held_elements") for x in r["reports"]] == \
+            [without(x, "held_elements") for x in results[0]["reports"]]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"])), \
+        "the replicas stay the same"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
+def test_a_state_dict_after_the_broadcast_resumes_the_broadcast_weights(world, shard, tmp_path):
+    results = launch(world, shard, "bfloat16", tmp_path, mode="resume")
+    for rank, r in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(r["loaded"], results[0]["broadcast"])), rank
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed_params"], r["params"])), rank
+        assert [without(x) for x in r["resumed_reports"]] == [without(x) for x in r["reports"]], rank
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"])), rank
