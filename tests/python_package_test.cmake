@@ -17,3 +17,19 @@ endif()
 run(${env} "${PYTHON}" -m pytest -q -p no:cacheprovider "${SOURCE_DIR}/python/tests/test_package.py"
     "${SOURCE_DIR}/python/tests/test_readme.py")
 message(STATUS "pip install . built the package; its tests and the README snippet ran against it:\n${out}")
+
+# On a current PyTorch from PyPI (TORCH_PYTHON, its own NCCL inside): the package's library has
+# no NCCL of its own, so it imports before torch as well as after, and the whole suite runs.
+if(TORCH_PYTHON)
+  foreach(order "import halfstep.torch, torch" "import torch, halfstep.torch")
+    run(${env} "${TORCH_PYTHON}" -c "${order}
+import halfstep
+assert not halfstep.has_nccl(), 'the package library links NCCL'
+maps = open('/proc/self/maps').read()
+assert 'libhalfstep' in maps
+print(torch.__version__, 'imports:', '${order}')")
+    message(STATUS "${out}")
+  endforeach()
+  run(${env} "${TORCH_PYTHON}" -m pytest -q -rs -p no:cacheprovider "${SOURCE_DIR}/python/tests")
+  message(STATUS "the package's suite on PyTorch from PyPI:\n${out}")
+endif()

@@ -36,6 +36,18 @@ fi
 if ! "$root/.venv/bin/python" -c "import scikit_build_core" >/dev/null 2>&1; then
   "$root/.venv/bin/pip" install -q --disable-pip-version-check scikit-build-core
 fi
+# A current PyTorch from PyPI (a CUDA build, about 5 GB, which also runs on the CPU), for the
+# Python package's tests next to Debian's 1.13: users run 2.x, and 2.x brings its own NCCL.
+# Pinned to the release the suite was last run against; it lives in a cache directory outside
+# the clone, so a machine downloads it once. HALFSTEP_TORCH_VENV moves it.
+torch_venv=${HALFSTEP_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/halfstep/torch-2.13}
+if ! "$torch_venv/bin/python" -c "import torch, numpy, pytest; assert torch.__version__.startswith('2.13.0')" \
+     >/dev/null 2>&1; then
+  echo "installing PyTorch 2.13.0 from PyPI into $torch_venv"
+  mkdir -p "$(dirname "$torch_venv")"
+  /usr/bin/python3 -m venv "$torch_venv"
+  "$torch_venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0 numpy pytest
+fi
 if ! ls "$root"/.venv/lib/python3*/site-packages/nvidia/*/bin/nvdisasm >/dev/null 2>&1; then
   "$root/.venv/bin/pip" install -q --disable-pip-version-check nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm ||
     echo "nvidia-cuda-cuobjdump not installed: instruction counts will be PTX only" >&2

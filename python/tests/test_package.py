@@ -25,6 +25,16 @@ def test_import_needs_no_torch():
     assert lines[1].startswith("no torch:")
 
 
+def test_the_library_loads_nccl_exactly_when_it_was_built_with_it():
+    # The package's own build (pip install) has no NCCL: PyTorch brings its own, and a second one
+    # loaded first breaks it ("undefined symbol: ncclCommResume" on PyTorch 2.x).
+    code = "import halfstep\nprint(halfstep.has_nccl(), 'libnccl' in open('/proc/self/maps').read())\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+    built_with, loaded = out.stdout.split()
+    assert built_with == loaded
+
+
 def test_version_is_the_librarys_and_the_projects():
     header = (ROOT / "include/halfstep/config.hpp").read_text()
     parts = [re.search(r"#define HALFSTEP_VERSION_%s (\d+)" % k, header).group(1) for k in ("MAJOR", "MINOR", "PATCH")]
