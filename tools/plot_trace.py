@@ -2,60 +2,172 @@
 """Plots a halfstep-train --trace CSV on one step axis: the loss with the learning rate, the loss
 scale (log2) with overflow and spike markers, the unscaled gradient norm, and the shares of
 gradient elements that underflowed (subnormal, zero) on a log axis. The title says what was run.
+Installed as halfstep-plot; runs with Debian's python3 and python3-matplotlib.
 
-usage: plot_trace.py TRACE.csv -o TRACE.png [--title TEXT]
-(installed as halfstep-plot; runs with Debian's python3 and python3-matplotlib)"""
+TRACE.csv must be a regular file of at most 1 GiB and 5 million rows, in halfstep-train's format
+(comma-separated, unquoted, '#' comment lines). Whatever is wrong with it is said in one line,
+'halfstep-plot: TRACE.csv: what is wrong', with exit code 2; exit code 1 means the plot could not
+be written."""
 import argparse
-import csv
+import itertools
 import math
+import os
+import stat
+import sys
 import textwrap
+from array import array
 
-import matplotlib
+# Bounds on what is read, so that a device (/dev/urandom), a FIFO or a huge file cannot exhaust
+# the memory: a trace row is about 200 bytes, so 1 GiB holds about 5 million steps, far more than
+# a plot shows apart; the first line is the command line that wrote the trace.
+MAX_BYTES = 1 << 30
+MAX_ROWS = 5_000_000
+MAX_LINE = 1 << 20
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+# The columns the plot reads (halfstep-train writes more), and what each must hold.
+INT_COLUMNS = ("attempt", "numel", "subnormal_count", "zero_count")
+FLOAT_COLUMNS = ("loss", "lr", "scale_used", "grad_norm")
+COLUMNS = INT_COLUMNS + FLOAT_COLUMNS + ("outcome", "spike")
+
+
+class BadInput(Exception):
+    """What is wrong with an input, in one line."""
+
+
+def lines(f):
+    """The file's lines (without their line breaks) with their numbers, read within the bounds."""
+    total = 0
+    for number in itertools.count(1):
+        raw = f.readline(MAX_LINE + 1)
+        if not raw:
+            return
+        total += len(raw)
+        if total > MAX_BYTES:
+            raise BadInput(f"grew past {MAX_BYTES} bytes (1 GiB) while it was read")
+        if len(raw) > MAX_LINE:
+            raise BadInput(f"line {number} is longer than {MAX_LINE} bytes: not a halfstep-train trace")
+        try:
+            yield number, raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise BadInput(f"line {number} is not text (UTF-8): not a halfstep-train trace") from None
+
+
+def value(text, kind, column, number):
+    try:
+        parsed = kind(text)
+        float(parsed)  # the plot holds doubles: an integer past them is refused as well
+        return parsed
+    except (ValueError, OverflowError):
+        what = "an integer" if kind is int else "a number"
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise BadInput(f"line {number}: {column} is '{shown}', not {what}") from None
 
 
 def read(path):
-    """The trace's rows, and the run it came from (its '# ' comment lines)."""
-    with open(path, newline="") as f:
-        lines = f.read().splitlines()
-    comments = [line[2:] for line in lines if line.startswith("# ")]
-    rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
-    return rows, comments
+    """The trace's columns, and the run it came from (its '# ' comment lines)."""
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise BadInput(e.strerror) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, FIFO or socket"
+        raise BadInput(f"not a regular file but {kind}")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > MAX_BYTES:
+            raise BadInput(f"{st.st_size} bytes, more than the {MAX_BYTES} (1 GiB) a trace may have")
+        if st.st_size == 0:
+            raise BadInput("empty")
+        comments, header = [], None
+        cols = {c: array("d") for c in ("attempt", "loss", "lr", "scale", "norm", "sub", "zero")}
+        over, spike = array("b"), array("b")
+        for number, line in lines(f):
+            if not line.strip():
+                continue
+            if line.startswith("#"):
+                if line.startswith("# "):
+                    comments.append(line[2:])
+                continue
+            fields = line.split(",")
+            if header is None:
+                missing = [c for c in COLUMNS if c not in fields]
+                if missing:
+                    raise BadInput(f"not a halfstep-train trace: its header (line {number}) lacks the "
+                                   f"column{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+                header = {name: i for i, name in enumerate(fields)}
+                width = len(fields)
+                continue
+            if len(fields) != width:
+                raise BadInput(f"line {number} has {len(fields)} fields, the header {width}")
+            if len(over) == MAX_ROWS:
+                raise BadInput(f"more than {MAX_ROWS} rows, more than a plot can show")
+            row = {c: value(fields[header[c]], int, c, number) for c in INT_COLUMNS}
+            row.update({c: value(fields[header[c]], float, c, number) for c in FLOAT_COLUMNS})
+            if not (math.isfinite(row["scale_used"]) and row["scale_used"] > 0):
+                raise BadInput(f"line {number}: scale_used is {fields[header['scale_used']]}, not a loss scale")
+            numel = max(row["numel"], 1)
+            cols["attempt"].append(row["attempt"])
+            cols["loss"].append(row["loss"])
+            cols["lr"].append(row["lr"])
+            cols["scale"].append(math.log2(row["scale_used"]))
+            cols["norm"].append(row["grad_norm"])
+            cols["sub"].append(100 * row["subnormal_count"] / numel)
+            cols["zero"].append(100 * row["zero_count"] / numel)
+            over.append(fields[header["outcome"]] == "skipped_overflow")
+            spike.append(fields[header["spike"]] == "1")
+        if header is None:
+            raise BadInput("no header line: not a halfstep-train trace")
+        if not over:
+            raise BadInput("no rows after the header: the run recorded no step")
+    return cols, over, spike, comments
+
+
+def fail(name, what, code):
+    print(f"halfstep-plot: {name}: {what}", file=sys.stderr)
+    sys.exit(code)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace")
-    ap.add_argument("-o", "--output", required=True)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", metavar="TRACE.csv", help="what halfstep-train --trace wrote")
+    ap.add_argument("-o", "--output", required=True, metavar="IMAGE",
+                    help="the plot to write; its extension names the format (png, pdf, svg, ...)")
     ap.add_argument("--title", default=None, help="default: the run recorded in the trace")
     args = ap.parse_args()
 
-    rows, comments = read(args.trace)
-    if not rows:
-        raise SystemExit(f"{args.trace}: empty trace")
-    x = [int(r["attempt"]) for r in rows]
-    loss = [float(r["loss"]) for r in rows]
-    lr = [float(r["lr"]) for r in rows]
-    scale = [math.log2(float(r["scale_used"])) for r in rows]
-    norm = [float(r["grad_norm"]) for r in rows]
-    numel = [max(int(r["numel"]), 1) for r in rows]
-    sub = [100 * int(r["subnormal_count"]) / n for r, n in zip(rows, numel)]
-    zero = [100 * int(r["zero_count"]) / n for r, n in zip(rows, numel)]
-    over = [(a, s) for a, s, r in zip(x, scale, rows) if r["outcome"] == "skipped_overflow"]
-    spikes = [(a, s) for a, s, r in zip(x, scale, rows) if r["spike"] == "1"]
-    finite_norm = [(a, g) for a, g in zip(x, norm) if math.isfinite(g) and g > 0]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError as e:
+        fail("matplotlib", f"{e} (Debian: apt-get install python3-matplotlib)", 1)
+    # The format follows the output's extension; an unknown one is refused before any work.
+    extension = os.path.splitext(args.output)[1][1:].lower() or matplotlib.rcParams["savefig.format"]
+    if extension not in FigureCanvasAgg.get_supported_filetypes():
+        fail(args.output, f"unknown image format '{extension}' (give one of "
+                          f"{', '.join(sorted(FigureCanvasAgg.get_supported_filetypes()))})", 2)
+    try:
+        cols, over_flags, spike_flags, comments = read(args.trace)
+    except BadInput as e:
+        fail(args.trace, e, 2)
+    x, scale = cols["attempt"], cols["scale"]
+    over = [(a, s) for a, s, o in zip(x, scale, over_flags) if o]
+    spikes = [(a, s) for a, s, k in zip(x, scale, spike_flags) if k]
+    finite_norm = [(a, g) for a, g in zip(x, cols["norm"]) if math.isfinite(g) and g > 0]
 
     fig, ax = plt.subplots(4, 1, sharex=True, figsize=(9, 10), constrained_layout=True)
     title = args.title or (comments[0] if comments else args.trace)
     fig.suptitle(textwrap.fill(title, 100), fontsize=9)
 
-    ax[0].plot(x, loss, lw=0.8, color="tab:blue", label="loss")
+    ax[0].plot(x, cols["loss"], lw=0.8, color="tab:blue", label="loss")
     ax[0].set_yscale("log")
     ax[0].set_ylabel("loss (MSE)", color="tab:blue")
     lr_ax = ax[0].twinx()
-    lr_ax.plot(x, lr, lw=1.0, color="tab:brown", ls="--", label="learning rate")
+    lr_ax.plot(x, cols["lr"], lw=1.0, color="tab:brown", ls="--", label="learning rate")
     lr_ax.set_yscale("log")
     lr_ax.set_ylabel("learning rate", color="tab:brown")
 
@@ -74,14 +186,20 @@ def main():
     ax[2].set_yscale("log")
     ax[2].set_ylabel("gradient norm\n(unscaled, before clipping)")
 
-    ax[3].plot(x, sub, lw=0.8, color="tab:purple", label="subnormal")
-    ax[3].plot(x, zero, lw=0.8, color="tab:gray", label="zero")
+    ax[3].plot(x, cols["sub"], lw=0.8, color="tab:purple", label="subnormal")
+    ax[3].plot(x, cols["zero"], lw=0.8, color="tab:gray", label="zero")
     ax[3].set_yscale("symlog", linthresh=1e-3)  # shares from 0 to 100% over many decades
     ax[3].set_ylim(0, 100)
     ax[3].set_ylabel("gradient elements (%)")
     ax[3].set_xlabel("step (attempt)")
     ax[3].legend(loc="best", fontsize=8)
-    fig.savefig(args.output, dpi=120)
+    # Written through a file this script opens and closes, so that a failed write (a full disk,
+    # /dev/full), which the image writers do not all report, fails here.
+    try:
+        with open(args.output, "wb") as f:
+            fig.savefig(f, format=extension, dpi=120)
+    except OSError as e:
+        fail(args.output, e.strerror or e, 1)
     print(f"wrote {args.output}")
 
 
