@@ -1,16 +1,23 @@
 // halfstep-train: trains an MLP on a synthetic regression task in mixed precision and shows the
 // loss-scale dynamics while it does. Runs on the GPU when one is present (cuBLAS + the fused CUDA
 // step), otherwise on the CPU (OpenBLAS + the reference backend).
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
+#include <filesystem>
 #include <functional>
+#include <iostream>
+#include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -69,6 +76,91 @@ struct Options {
   std::exit(2);
 }
 
+// Empty if everything written to the standard output so far (through stdio, or std::cout, which
+// writes through stdio) reached it; otherwise why not. The progress lines and the summary are the
+// run's output too: a full disk or /dev/full must fail the run, not let it end "done".
+std::string stdout_error() {
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return "";
+  return std::string("writing the standard output failed: ") + std::strerror(errno);
+}
+
+// Reads `text` as a decimal integer of at most `max` into `value`; returns what is wrong with it,
+// or "". Digits only: CLI11's own conversion (strtoull/strtoll, base 0) takes "-1" for an
+// unsigned option and wraps it around (--seed -1 was seed 2^64 - 1), saturates on overflow, and
+// reads "010" as octal and "0x10" as hexadecimal.
+std::string read_decimal(const std::string& text, std::uint64_t max, std::uint64_t& value) {
+  if (!text.empty() && text[0] == '-') return "'" + text + "' is negative";
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) {
+    return "'" + text + "' is not a decimal integer";
+  }
+  value = 0;
+  for (const char c : text) {
+    const auto digit = static_cast<std::uint64_t>(c - '0');
+    if (value > (max - digit) / 10) return text + " is more than " + std::to_string(max);
+    value = value * 10 + digit;
+  }
+  return "";
+}
+
+// A CLI11 validator for an integer option in [min, max], by read_decimal's rules. It hands CLI11
+// the number rewritten without leading zeros, which its base-0 conversion would read as octal.
+CLI::Validator decimal_in(std::uint64_t min, std::uint64_t max) {
+  const std::string range = "a decimal integer from " + std::to_string(min) + " to " + std::to_string(max);
+  return CLI::Validator(
+      [min, max, range](std::string& text) -> std::string {
+        std::uint64_t value = 0;
+        std::string wrong = read_decimal(text, max, value);
+        if (wrong.empty() && value < min) wrong = text + " is less than " + std::to_string(min);
+        if (!wrong.empty()) return wrong + " (give " + range + ")";
+        text = std::to_string(value);
+        return "";
+      },
+      "[" + std::to_string(min) + ", " + std::to_string(max) + "]");
+}
+
+constexpr std::int64_t kMaxSteps = std::int64_t{1} << 40;
+
+// The checkpoint replaces its target with a complete file at the end of the run (written next to
+// it, then renamed), so a path that cannot take it is refused before the run, not after it: its
+// directory must exist and be writable, and an existing target must be a regular file (renaming
+// over /dev/null would replace the device; over a directory it fails).
+void check_checkpoint_path(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
+  const std::string what = "--checkpoint " + path + ": ";
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) usage_error(what + "its directory " + dir + ": " + std::strerror(errno));
+  if (!S_ISDIR(st.st_mode)) usage_error(what + dir + " is not a directory");
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    usage_error(what + "cannot write in its directory " + dir + ": " + std::strerror(errno));
+  }
+  if (::stat(path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode)) {
+      usage_error(what + (S_ISDIR(st.st_mode) ? "is a directory" : "exists and is not a regular file") +
+                  " (the checkpoint replaces its target with a file)");
+    }
+  } else if (errno != ENOENT) {
+    usage_error(what + std::strerror(errno));
+  }
+}
+
+// The trace file of rank `rank`: the given path for rank 0, "NAME.rankR.EXT" for the others.
+std::string rank_trace(const std::string& path, int rank) {
+  if (rank == 0) return path;
+  const std::size_t slash = path.find_last_of('/');
+  const std::size_t dot = path.find_last_of('.');
+  const bool has_ext = dot != std::string::npos && (slash == std::string::npos || dot > slash);
+  const std::string tag = ".rank" + std::to_string(rank);
+  return has_ext ? path.substr(0, dot) + tag + path.substr(dot) : path + tag;
+}
+
+// Whether two paths name the same file, existing or not (through symbolic links and "..").
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ea, eb;
+  const auto ca = std::filesystem::weakly_canonical(a, ea), cb = std::filesystem::weakly_canonical(b, eb);
+  return ea || eb ? a == b : ca == cb;
+}
+
 // A positive number, or a power of two written 2^k.
 std::string positive_or_power(std::string& text) {
   const bool power = text.rfind("2^", 0) == 0;
@@ -94,48 +186,74 @@ Options parse(int argc, char** argv) {
   app.add_option("--steps", o.steps,
                  "total optimizer steps of the run, counting those before --resume\n"
                  "(default: 3000 on the CPU, 5000 on a GPU)")
-      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+      ->transform(decimal_in(1, kMaxSteps));
   app.add_flag("--cpu", o.cpu, "use the CPU engine even when a GPU is present");
-  app.add_option("--width", o.width, "hidden width (default 256 on the CPU, 1024 on a GPU)")->check(CLI::Range(1, 1 << 16));
-  app.add_option("--layers", o.layers, "hidden layers (default 3 on the CPU, 4 on a GPU)")->check(CLI::Range(1, 64));
-  app.add_option("--batch", o.batch, "samples per step (default 128 on the CPU, 1024 on a GPU)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--width", o.width, "hidden width (default 256 on the CPU, 1024 on a GPU)")->transform(decimal_in(1, 1 << 16));
+  app.add_option("--layers", o.layers, "hidden layers (default 3 on the CPU, 4 on a GPU)")->transform(decimal_in(1, 64));
+  app.add_option("--batch", o.batch, "samples per step (default 128 on the CPU, 1024 on a GPU)")->transform(decimal_in(1, 1 << 20));
   app.add_option("--lr", o.lr, "base learning rate (default 1e-3)")->check(CLI::Range(1e-12, 1.0));
-  app.add_option("--seed", o.seed, "seed of the task, the initial weights and the data (default 1)");
+  app.add_option("--seed", o.seed, "seed of the task, the initial weights and the data (default 1)")
+      ->transform(decimal_in(0, std::numeric_limits<std::uint64_t>::max()));
   app.add_option("--print-every", o.print_every, "progress line every N steps (default: steps / 15)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--trace", o.trace, "FILE.csv: one row per step, the loss and every StepReport field");
+      ->transform(decimal_in(1, static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())));
+  app.add_option("--trace", o.trace,
+                 "FILE.csv: one row per step, the loss and every StepReport field; with --resume\n"
+                 "the rows are appended to FILE. A write that fails ends the run");
   app.add_option("--checkpoint", o.checkpoint,
-                 "FILE.safetensors: save weights, moments, model copies and optimizer state at the end");
-  app.add_option("--resume", o.resume, "FILE.safetensors: continue a run saved with --checkpoint (same shape and seed)")
+                 "FILE.safetensors: save weights, moments, model copies and optimizer state at the\n"
+                 "end. FILE is replaced once the new file is complete: its directory must exist\n"
+                 "and be writable, and FILE, if it exists, be a regular file");
+  app.add_option("--resume", o.resume,
+                 "FILE.safetensors: continue a run saved with --checkpoint, with its shape, seed,\n"
+                 "--scenario and the settings that scenario uses (--lr, --growth-interval,\n"
+                 "--headroom-growth, --scale, --spike-step, --spike-factor); --steps, the total,\n"
+                 "may grow (lr-decay's schedule then spans the new total)")
       ->check(CLI::ExistingFile);
   app.add_option("--scale", o.scale,
                  "the constant loss scale of --scenario fixed-scale, a number or 2^k\n"
                  "(default 2^-16: most gradients underflow to zero)")
       ->transform(CLI::Validator(positive_or_power, "NUMBER|2^K"));
   app.add_option("--spike-step", o.spike_step, "the step whose gradient --scenario spike multiplies (default 3/4 in)")
-      ->check(CLI::NonNegativeNumber);
+      ->transform(decimal_in(0, kMaxSteps));
   app.add_option("--spike-factor", o.spike_factor, "how much it multiplies it by (default 100)")
       ->check(CLI::Range(1.0, 1e30));
   app.add_flag("--headroom-growth", o.headroom_growth, "let the scaler grow early when the measured headroom allows it");
   auto* growth = app.add_option("--growth-interval", o.growth_interval, "clean steps before the scale grows (default 100)")
-                     ->check(CLI::Range(1, 1 << 30));
+                     ->transform(decimal_in(1, 1 << 30));
   app.add_flag("--quiet", o.quiet, "no progress lines, only the summary");
   app.add_option("--ranks", o.ranks,
                  "data parallelism over N ranks: the batch split over them, gradients\n"
                  "reduce-scattered, optimizer state sharded, one verdict for all, model\n"
                  "copies all-gathered. On a GPU machine one rank per GPU over NCCL; on the\n"
                  "CPU, N ranks simulated in this process. --trace writes one file per rank")
-      ->check(CLI::Range(1, static_cast<int>(train::kFlatSlack)));
+      ->transform(decimal_in(1, train::kFlatSlack));
   app.add_flag("--replicate-batch", o.replicate_batch,
                "with --ranks: every rank computes the whole batch (so the sharded step must\n"
                "reproduce the unsharded one exactly)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    std::exit(app.exit(e));
+    if (e.get_exit_code() != 0) usage_error(e.what());
+    app.exit(e);  // --help or --version
+    if (const std::string error = stdout_error(); !error.empty()) {
+      std::fprintf(stderr, "halfstep-train: %s\n", error.c_str());
+      std::exit(1);
+    }
+    std::exit(0);
   }
   o.growth_interval_given = growth->count() > 0;
   if (o.replicate_batch && o.ranks == 0) usage_error("--replicate-batch needs --ranks");
+  if (!o.checkpoint.empty()) check_checkpoint_path(o.checkpoint);
+  // A trace on the file another option reads or writes would corrupt that checkpoint, or be
+  // replaced by it at the end.
+  for (int r = 0; !o.trace.empty() && r < std::max(o.ranks, 1); ++r) {
+    const std::string trace = rank_trace(o.trace, r);
+    for (const auto& [option, path] : {std::pair{"--checkpoint", &o.checkpoint}, std::pair{"--resume", &o.resume}}) {
+      if (!path->empty() && same_file(trace, *path)) {
+        usage_error("--trace " + trace + " names the same file as " + option + " " + *path);
+      }
+    }
+  }
   o.command_line = "halfstep-train";
   for (int i = 1; i < argc; ++i) o.command_line += std::string(" ") + argv[i];
   return o;
@@ -147,7 +265,19 @@ struct Scenario {
   std::function<float(std::int64_t)> lr;
   std::int64_t spike_step = -1;
   float spike_factor = 1.0f;
+  // The options that made this configuration, each with the value the run uses, in the order a
+  // resume checks them: a checkpoint records them and a resumed run must repeat them.
+  std::vector<std::pair<std::string, std::string>> settings;
 };
+
+// The shortest decimal that reads back as x (9 digits always do).
+std::string number_text(float x) {
+  char buf[32];
+  for (int digits = 6;; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, static_cast<double>(x));
+    if (digits == 9 || std::strtof(buf, nullptr) == x) return buf;
+  }
+}
 
 // The spike scenario's limits, measured on this task (see make_scenario).
 constexpr std::int64_t kSpikeSettled = 400;
@@ -211,6 +341,21 @@ Scenario make_scenario(const Options& o, std::int64_t steps) {
   } else if (o.scenario == "fixed-scale") {
     c.scaler = halfstep::ScalerConfig::constant(o.scale);
   }
+  // The library refuses a checkpoint whose StepConfig differs, but by its own field names, and
+  // not one from another initial scale (default and overflow-storm) or learning rate. The spike's
+  // step is the one this run uses (3/4 of --steps unless given), so a resume to a longer total
+  // must name the first run's. lr-decay's schedule is not a setting: it spans --steps, the total
+  // a resume extends.
+  s.settings = {{"--scenario", o.scenario}, {"--lr", number_text(o.lr)}};
+  if (o.scenario == "spike") {
+    s.settings.emplace_back("--spike-step", std::to_string(s.spike_step));
+    s.settings.emplace_back("--spike-factor", number_text(s.spike_factor));
+  } else if (o.scenario == "fixed-scale") {
+    s.settings.emplace_back("--scale", number_text(o.scale));
+  } else {  // the dynamic scaler's
+    s.settings.emplace_back("--growth-interval", std::to_string(c.scaler.growth_interval));
+    s.settings.emplace_back("--headroom-growth", c.scaler.headroom_growth ? "on" : "off");
+  }
   return s;
 }
 
@@ -241,17 +386,23 @@ std::string shape_key(const train::Dims& d, std::uint64_t seed) {
          ",seed " + std::to_string(seed);
 }
 
+// The metadata key of a setting: "halfstep-train.scenario" for --scenario.
+std::string setting_key(const std::string& option) { return "halfstep-train." + option.substr(2); }
+
 void save_checkpoint(const std::string& path, std::int64_t next_step, const train::Dims& dims,
-                     std::uint64_t seed, train::Trainer& trainer) {
+                     std::uint64_t seed, const Scenario& scenario, train::Trainer& trainer) {
   halfstep::CheckpointOptions options;
   options.metadata["halfstep-train.next_step"] = std::to_string(next_step);
   options.metadata["halfstep-train.shape"] = shape_key(dims, seed);
+  for (const auto& [option, value] : scenario.settings) options.metadata[setting_key(option)] = value;
   trainer.save(tensor_names(dims), path, options);
 }
 
-std::int64_t load_checkpoint(const std::string& path, const train::Dims& dims, std::uint64_t seed,
-                             std::int64_t steps, train::Trainer& trainer) {
-  // This program's own metadata first; halfstep then checks and restores everything else.
+// Checks this program's own metadata of a checkpoint to resume against this run, before anything
+// is built or written; returns the step it continues at. halfstep then checks and restores the
+// rest when the trainer loads it.
+std::int64_t resume_step(const std::string& path, const train::Dims& dims, std::uint64_t seed, std::int64_t steps,
+                         const Scenario& scenario) {
   const auto meta = halfstep::checkpoint_metadata(path);
   const auto shape = meta.find("halfstep-train.shape");
   const auto next = meta.find("halfstep-train.next_step");
@@ -262,17 +413,71 @@ std::int64_t load_checkpoint(const std::string& path, const train::Dims& dims, s
     throw std::runtime_error(path + " was written for shape and seed " + shape->second + "; this run is " +
                              shape_key(dims, seed));
   }
-  const std::int64_t next_step = std::stoll(next->second);
-  if (next_step >= steps) {
+  for (const auto& [option, value] : scenario.settings) {
+    const auto saved = meta.find(setting_key(option));
+    if (saved == meta.end()) {
+      throw std::runtime_error(path + " does not record its " + option +
+                               " (an older halfstep-train wrote it), so this run cannot be checked against it");
+    }
+    if (saved->second != value) {
+      throw std::runtime_error(option + ": " + path + " was written by a run with " + option + " " + saved->second +
+                               ", this run has " + option + " " + value +
+                               " (a resumed run must continue the same configuration)");
+    }
+  }
+  std::uint64_t next_step = 0;
+  const std::string wrong = read_decimal(next->second, static_cast<std::uint64_t>(kMaxSteps), next_step);
+  if (!wrong.empty() || next_step == 0) {
+    throw std::runtime_error(path + ": its halfstep-train.next_step " +
+                             (wrong.empty() ? std::string("is 0") : wrong) + ", not a step a run ended at");
+  }
+  if (static_cast<std::int64_t>(next_step) >= steps) {
     throw std::runtime_error(path + " is already at step " + std::to_string(next_step) + " and --steps " +
                              std::to_string(steps) + " is the total: nothing to run (give --steps " +
                              std::to_string(next_step + 1) + " or more)");
   }
-  trainer.load(tensor_names(dims), path);
-  return next_step;
+  return static_cast<std::int64_t>(next_step);
 }
 
-// --- the trace ------------------------------------------------------------------------------
+// --- output ---------------------------------------------------------------------------------
+// One trace file. stdio reports a failed write (a full disk, /dev/full) only through the stream's
+// error flag and the results of fflush and fclose; every row checks them, so a trace that cannot
+// be written ends the run at once, naming the file, rather than one that ends "done" without it.
+class Trace {
+ public:
+  // Opens `path` from the start, or to append to when a resumed run continues the first run's
+  // rows. A path that cannot be opened is refused like a bad option, before the run.
+  Trace(std::string path, bool append) : path_(std::move(path)), file_(std::fopen(path_.c_str(), append ? "a" : "w")) {
+    if (file_ == nullptr) usage_error("--trace " + path_ + ": " + std::strerror(errno));
+  }
+  Trace(Trace&& other) noexcept : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+  Trace(const Trace&) = delete;
+  Trace& operator=(const Trace&) = delete;
+  Trace& operator=(Trace&&) = delete;
+  ~Trace() {
+    if (file_ != nullptr) std::fclose(file_);  // after a failure, which was already reported
+  }
+  std::FILE* file() const { return file_; }
+  // After each write, while errno still says why it failed.
+  void check() const {
+    if (std::ferror(file_)) fail(errno);
+  }
+  void flush() const {
+    if (std::fflush(file_) != 0 || std::ferror(file_)) fail(errno);
+  }
+  void close() {
+    flush();
+    if (std::fclose(std::exchange(file_, nullptr)) != 0) fail(errno);
+  }
+
+ private:
+  [[noreturn]] void fail(int error) const {
+    throw std::runtime_error("writing the trace " + path_ + " failed: " + std::strerror(error));
+  }
+  std::string path_;
+  std::FILE* file_;
+};
+
 void trace_header(std::FILE* f) {
   std::fprintf(f, "attempt,step,outcome,reason,spike,loss,lr,scale_used,scale_next,grad_norm,clip_coef,"
                   "nonfinite_count,first_nonfinite_tensor,max_abs_scaled,headroom_log2,"
@@ -290,16 +495,6 @@ void trace_row(std::FILE* f, const StepReport& r, float loss, float lr) {
                static_cast<double>(r.max_abs_scaled), static_cast<double>(r.headroom_log2),
                static_cast<long long>(r.subnormal_count), static_cast<long long>(r.zero_count),
                static_cast<long long>(r.numel), static_cast<long long>(r.held_elements));
-}
-
-// The trace file of rank `rank`: the given path for rank 0, "NAME.rankR.EXT" for the others.
-std::string rank_trace(const std::string& path, int rank) {
-  if (rank == 0) return path;
-  const std::size_t slash = path.find_last_of('/');
-  const std::size_t dot = path.find_last_of('.');
-  const bool has_ext = dot != std::string::npos && (slash == std::string::npos || dot > slash);
-  const std::string tag = ".rank" + std::to_string(rank);
-  return has_ext ? path.substr(0, dot) + tag + path.substr(dot) : path + tag;
 }
 
 // How far from the teacher the lr-decay scenario starts: this fraction of a fresh initialisation.
@@ -329,6 +524,16 @@ int run(const Options& o) {
   const std::int64_t steps = o.steps > 0 ? o.steps : (gpu ? 5000 : 3000);
   const std::int64_t print_every = o.print_every > 0 ? o.print_every : std::max<std::int64_t>(steps / 15, 1);
   Scenario scenario = make_scenario(o, steps);
+  const int ranks = o.ranks > 0 ? o.ranks : 1;
+  if (o.ranks > 0 && !o.replicate_batch && dims.batch % ranks != 0) {
+    usage_error("--ranks " + std::to_string(ranks) + " must divide the batch of " + std::to_string(dims.batch) +
+                " samples (or give --replicate-batch)");
+  }
+  // What the run reads and writes, before anything is computed: the checkpoint to resume (this
+  // program's metadata; halfstep checks the rest as it loads it), then the traces, opened.
+  const std::int64_t start = o.resume.empty() ? 0 : resume_step(o.resume, dims, o.seed, steps, scenario);
+  std::vector<Trace> traces;
+  for (int r = 0; !o.trace.empty() && r < ranks; ++r) traces.emplace_back(rank_trace(o.trace, r), start > 0);
 
   if (!gpu) {
     std::printf("%s: running on the CPU (OpenBLAS products, halfstep reference backend)\n",
@@ -343,11 +548,6 @@ int run(const Options& o) {
     }
   }
   // The engines: one, or one per rank with its slice of the batch (or all of it, replicated).
-  const int ranks = o.ranks > 0 ? o.ranks : 1;
-  if (o.ranks > 0 && !o.replicate_batch && dims.batch % ranks != 0) {
-    usage_error("--ranks " + std::to_string(ranks) + " must divide the batch of " + std::to_string(dims.batch) +
-                " samples (or give --replicate-batch)");
-  }
   auto rank_dims = [&](int r) {
     train::Dims d = dims;
     if (o.ranks > 0 && !o.replicate_batch) {
@@ -390,24 +590,18 @@ int run(const Options& o) {
                                   : ("each rank computes " + std::to_string(dims.batch / ranks) + " samples").c_str());
   }
 
-  std::int64_t start = 0;
-  if (!o.resume.empty()) {
-    start = load_checkpoint(o.resume, dims, o.seed, steps, *trainer);
+  if (start > 0) {
+    trainer->load(tensor_names(dims), o.resume);
     std::printf("  resumed from %s at step %lld (loss scale %s)\n", o.resume.c_str(),
                 static_cast<long long>(start), log2_text(trainer->state().scaler.scale).c_str());
   }
-  std::vector<std::FILE*> traces;
-  if (!o.trace.empty()) {
-    for (int r = 0; r < trainer->ranks(); ++r) {
-      const std::string path = rank_trace(o.trace, r);
-      std::FILE* f = std::fopen(path.c_str(), start > 0 ? "a" : "w");
-      if (!f) throw std::runtime_error("cannot write " + path);
-      if (start == 0) {
-        std::fprintf(f, "# %s (halfstep %s, %s)\n", o.command_line.c_str(), halfstep::version(), engine_name.c_str());
-        trace_header(f);
-      }
-      traces.push_back(f);
+  for (const Trace& t : traces) {
+    if (start == 0) {
+      std::fprintf(t.file(), "# %s (halfstep %s, %s)\n", o.command_line.c_str(), halfstep::version(),
+                   engine_name.c_str());
+      trace_header(t.file());
     }
+    t.flush();  // a file that takes nothing (/dev/full) fails here, before the first step
   }
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -427,7 +621,8 @@ int run(const Options& o) {
       const StepReport r = trainer->report(0);
       const float loss = trainer->loss(step);
       for (std::size_t k = 0; k < traces.size(); ++k) {
-        trace_row(traces[k], k == 0 ? r : trainer->report(static_cast<int>(k)), loss, lr);
+        trace_row(traces[k].file(), k == 0 ? r : trainer->report(static_cast<int>(k)), loss, lr);
+        traces[k].check();
       }
       if (print) {
         const auto now = std::chrono::steady_clock::now();
@@ -444,13 +639,13 @@ int run(const Options& o) {
                     r.grad_norm, static_cast<double>(r.headroom_log2),
                     100.0 * static_cast<double>(r.subnormal_count) / numel,
                     100.0 * static_cast<double>(r.zero_count) / numel, rate);
-        std::fflush(stdout);
+        if (const std::string error = stdout_error(); !error.empty()) throw std::runtime_error(error);
       }
     }
   }
   trainer->sync();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  for (std::FILE* f : traces) std::fclose(f);
+  for (Trace& t : traces) t.close();
 
   // Summary: the loss at the start and the end of this run, and what the scaler did.
   const std::int64_t window = std::max<std::int64_t>(std::min<std::int64_t>(100, (steps - start) / 5), 1);
@@ -472,7 +667,7 @@ int run(const Options& o) {
   std::printf("  loss scale %s: %lld growths, %lld backoffs\n", log2_text(s.scaler.scale).c_str(),
               static_cast<long long>(s.scaler.growths), static_cast<long long>(s.scaler.backoffs));
   if (!o.checkpoint.empty()) {
-    save_checkpoint(o.checkpoint, steps, dims, o.seed, *trainer);
+    save_checkpoint(o.checkpoint, steps, dims, o.seed, scenario, *trainer);
     std::printf("  checkpoint written to %s\n", o.checkpoint.c_str());
   }
   return 0;
@@ -483,7 +678,9 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   try {
-    return run(o);
+    const int rc = run(o);
+    if (const std::string error = stdout_error(); !error.empty()) throw std::runtime_error(error);
+    return rc;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "halfstep-train: %s\n", e.what());
     return 1;
