@@ -1,12 +1,19 @@
 // Full checkpoints in the safetensors format: an 8-byte little-endian header length, a JSON
 // header naming each tensor's dtype, shape and byte range, then the tensors' bytes back to back.
-// Buffers of Backend::cuda are copied through the host one tensor at a time.
+// Buffers of Backend::cuda are copied through the host one tensor at a time. A checkpoint is
+// input: the header is checked by safetensors_header.cpp, and every value here, all before the
+// first byte of the optimizer is written.
 #include "halfstep/safetensors.hpp"
 
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -16,17 +23,20 @@
 #include "cuda_check.hpp"
 #include "halfstep/checkpoint.hpp"
 #include "halfstep/version.hpp"
+#include "safetensors_header.hpp"
 
 namespace halfstep {
 namespace {
 
 using detail::concat;
+using detail::corrupt;
+using detail::kStateKey;
+using detail::kVersionKey;
 using detail::require;
 using Json = nlohmann::ordered_json;
 
-constexpr const char* kStateKey = "halfstep.optimizer_state";
-constexpr const char* kVersionKey = "halfstep.version";
-constexpr std::uint64_t kMaxHeaderBytes = 100u << 20;  // what the safetensors package accepts
+// What a stored tensor is to one of the optimizer's tensors.
+enum class Role { master, exp_avg, exp_avg_sq, model };
 
 // One stored tensor: a part (master, moment or model copy) of one of the optimizer's tensors.
 struct Part {
@@ -35,7 +45,9 @@ struct Part {
   void* data;          // the optimizer's buffer (device memory for Backend::cuda)
   std::size_t bytes;
   std::int64_t numel;
-  bool optional;       // a model copy: may be missing from a file
+  Role role;
+  bool has_model;      // the tensor has a model copy, which its master must round to finitely
+  std::size_t master;  // the index of the same tensor's master among the parts
   std::int64_t offset = 0;  // loading a shard: the first element of the stored tensor it takes
   std::size_t elem = 0;     // bytes per element
   bool slice = false;       // loading a shard: the stored tensor may be longer
@@ -74,16 +86,20 @@ std::vector<Part> parts_of(const FusedAdamW& opt, const std::vector<std::string>
     const std::string& base = names[name_index];
     require(!base.empty(), "names[", name_index, "] is empty");
     const auto n = static_cast<std::size_t>(p.numel);
-    auto add = [&](const std::string& name, const char* dtype, void* data, std::size_t elem, bool optional) {
+    const std::size_t master = parts.size();
+    auto add = [&](const std::string& name, const char* dtype, void* data, std::size_t elem, Role role) {
       require(name != "__metadata__" && (shard != nullptr || seen.insert(name).second), "names[", t,
               "] makes the tensor name '", name,
               "' twice (names must be distinct, also with the suffixes .exp_avg, .exp_avg_sq, .model)");
-      parts.push_back(Part{name, dtype, data, n * elem, p.numel, optional, offset, elem, shard != nullptr});
+      parts.push_back(Part{name, dtype, data, n * elem, p.numel, role, p.model != nullptr, master, offset, elem,
+                           shard != nullptr});
     };
-    add(base, "F32", p.master, 4, false);
-    add(base + ".exp_avg", "F32", p.exp_avg, 4, false);
-    add(base + ".exp_avg_sq", "F32", p.exp_avg_sq, 4, false);
-    if (p.model != nullptr && include_model) add(base + ".model", dtype_code(opt.config().model_dtype), p.model, 2, true);
+    add(base, "F32", p.master, 4, Role::master);
+    add(base + ".exp_avg", "F32", p.exp_avg, 4, Role::exp_avg);
+    add(base + ".exp_avg_sq", "F32", p.exp_avg_sq, 4, Role::exp_avg_sq);
+    if (p.model != nullptr && include_model) {
+      add(base + ".model", dtype_code(opt.config().model_dtype), p.model, 2, Role::model);
+    }
   }
   return parts;
 }
@@ -106,44 +122,155 @@ void copy_in(const FusedAdamW& opt, void* dst, const void* src, std::size_t byte
   }
 }
 
-std::string to_hex(const std::string& bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  out.reserve(bytes.size() * 2);
-  for (unsigned char c : bytes) {
-    out.push_back(digits[c >> 4]);
-    out.push_back(digits[c & 15]);
+// Why part p's values (its bytes, in host memory) cannot be in a checkpoint, or "" if they can.
+// Refused is what a step never writes and what would make steps report `applied` over garbage:
+// a master or moment that is not finite, a negative second moment (√v), a master whose model copy
+// would not be finite (every step would hold it: past 65504 for fp16), a model copy that is inf
+// or NaN. Elements are counted in the stored tensor.
+std::string bad_value(const Part& p, const char* bytes, DType model_dtype) {
+  const auto n = static_cast<std::size_t>(p.numel);
+  const auto first = static_cast<std::size_t>(p.offset);
+  if (p.role == Role::model) {
+    for (std::size_t i = 0; i < n; ++i) {
+      std::uint16_t b;
+      std::memcpy(&b, bytes + 2 * i, 2);
+      const BitClass k = classify_bits16(model_dtype, b);
+      if (k == BitClass::infinite || k == BitClass::nan) {
+        return concat("element ", first + i, " is ", k == BitClass::nan ? "NaN" : "infinite", " (", dtype_name(model_dtype),
+                      " bits 0x", std::hex, b, std::dec, "): a model copy must be finite");
+      }
+    }
+    return "";
   }
-  return out;
+  for (std::size_t i = 0; i < n; ++i) {
+    float x;
+    std::memcpy(&x, bytes + 4 * i, 4);
+    if (!detail::finite(x)) {
+      return concat("element ", first + i, " is ", x, ": ",
+                    p.role == Role::master ? "a master" : "a moment", " must be finite");
+    }
+    if (p.role == Role::exp_avg_sq && x < 0.0f) {
+      return concat("element ", first + i, " is ", x, ": a second moment must be >= 0");
+    }
+    if (p.role == Role::master && p.has_model &&
+        classify_bits16(model_dtype, to_bits16(model_dtype, x)) == BitClass::infinite) {
+      return concat("element ", first + i, " is ", x, ": a master must round to a finite ", dtype_name(model_dtype),
+                    " model copy (the largest ", dtype_name(model_dtype), " value is ", format_info(model_dtype).max, ")");
+    }
+  }
+  return "";
 }
 
-[[noreturn]] void corrupt(const std::string& path, const std::string& why) {
-  throw Error(ErrorKind::corrupt_state, concat("checkpoint ", path, ": ", why));
+// errno's text, for messages about files.
+std::string os_error() { return std::strerror(errno); }
+
+[[noreturn]] void cannot_write(const std::string& path, const std::string& why) {
+  throw Error(ErrorKind::invalid_argument, concat("checkpoint ", path, ": ", why));
 }
 
-std::string from_hex(const std::string& path, const std::string& hex) {
-  if (hex.size() % 2 != 0) corrupt(path, concat(kStateKey, " has an odd number of hex digits"));
-  auto value = [&](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    corrupt(path, concat(kStateKey, " holds '", c, "', not a hex digit"));
-  };
-  std::string out(hex.size() / 2, '\0');
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(value(hex[2 * i]) * 16 + value(hex[2 * i + 1]));
-  return out;
+// The directory `path` is in ("." for a bare name).
+std::string directory_of(const std::string& path) {
+  const std::size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
 }
+
+// Refuses, before any work, a target save_checkpoint must not or cannot replace: an existing
+// path that is not a regular file (a device, a FIFO, a directory: renaming over /dev/null as
+// root would replace the device), a directory that does not exist or is not writable, and a
+// leftover `tmp` that is not a regular file.
+void check_target(const std::string& path, const std::string& tmp) {
+  if (path.empty()) cannot_write(path, "the path is empty");
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode)) {
+      cannot_write(path, concat("it exists and is not a regular file (",
+                                S_ISDIR(st.st_mode) ? "a directory" : S_ISCHR(st.st_mode) ? "a character device"
+                                : S_ISBLK(st.st_mode) ? "a block device" : S_ISFIFO(st.st_mode) ? "a FIFO"
+                                : S_ISSOCK(st.st_mode) ? "a socket" : "another kind of file",
+                                "); a checkpoint replaces only a regular file"));
+    }
+  } else if (errno != ENOENT && errno != ENOTDIR) {  // the directory is checked next
+    cannot_write(path, concat("cannot look it up: ", os_error()));
+  }
+  const std::string dir = directory_of(path);
+  if (::stat(dir.c_str(), &st) != 0) cannot_write(path, concat("its directory '", dir, "' does not exist"));
+  if (!S_ISDIR(st.st_mode)) cannot_write(path, concat("its directory '", dir, "' is not a directory"));
+  if (::faccessat(AT_FDCWD, dir.c_str(), W_OK | X_OK, AT_EACCESS) != 0) {
+    cannot_write(path, concat("its directory '", dir, "' is not writable (", os_error(), ")"));
+  }
+  if (::lstat(tmp.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    cannot_write(path, concat(tmp, ", where it is written first, exists and is not a regular file"));
+  }
+}
+
+// The file a checkpoint is written to before it replaces the target: created afresh (a leftover
+// of a failed save is removed, never written through: it might be a link to another file) and
+// removed again unless kept.
+class PartialFile {
+ public:
+  PartialFile(const std::string& target, std::string path) : target_(target), path_(std::move(path)) {
+    if (::unlink(path_.c_str()) != 0 && errno != ENOENT) cannot_write(target_, concat("cannot remove ", path_, ": ", os_error()));
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+    if (fd_ < 0) cannot_write(target_, concat("cannot create ", path_, ": ", os_error()));
+  }
+  PartialFile(const PartialFile&) = delete;
+  PartialFile& operator=(const PartialFile&) = delete;
+  ~PartialFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!kept_) ::unlink(path_.c_str());
+  }
+
+  void write(const void* data, std::size_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      const ::ssize_t n = ::write(fd_, p, std::min<std::size_t>(bytes, std::size_t{1} << 30));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) cannot_write(target_, concat("writing ", path_, " failed: ", n < 0 ? os_error() : "nothing written"));
+      p += n;
+      bytes -= static_cast<std::size_t>(n);
+    }
+  }
+
+  // Flushes to the disk and closes: errors of delayed writes (ENOSPC, EIO, quotas) show here.
+  void finish() {
+    if (::fsync(fd_) != 0) cannot_write(target_, concat("writing ", path_, " failed (fsync): ", os_error()));
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) cannot_write(target_, concat("writing ", path_, " failed (close): ", os_error()));
+  }
+
+  // Replaces the target with the finished file.
+  void replace_target() {
+    if (std::rename(path_.c_str(), target_.c_str()) != 0) {
+      cannot_write(target_, concat("cannot replace it with ", path_, ": ", os_error()));
+    }
+    kept_ = true;
+  }
+
+ private:
+  std::string target_, path_;
+  int fd_ = -1;
+  bool kept_ = false;
+};
 
 }  // namespace
 
 void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, const std::string& path,
                      const CheckpointOptions& options) {
-  const std::vector<Part> parts = parts_of(opt, names, options.include_model);
+  std::vector<Part> parts = parts_of(opt, names, options.include_model);
   for (const auto& [key, value] : options.metadata) {
     require(key.rfind("halfstep.", 0) != 0, "CheckpointOptions.metadata key '", key,
             "' starts with 'halfstep.', which halfstep's own keys use");
   }
+  // Write next to the target, then replace it: a failure leaves any earlier checkpoint intact.
+  const std::string tmp = path + ".partial";
+  check_target(path, tmp);
   const std::string state = opt.save_state();  // waits for the last step
 
+  // The 4-byte tensors first, then the 2-byte model copies: every tensor starts at a multiple of
+  // its element size (an odd-length model copy would misalign the masters after it).
+  std::stable_partition(parts.begin(), parts.end(), [](const Part& p) { return p.elem == 4; });
   Json header = Json::object();
   std::uint64_t offset = 0;
   for (const Part& p : parts) {
@@ -152,189 +279,119 @@ void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, con
   }
   Json meta = Json::object();
   meta[kVersionKey] = version();
-  meta[kStateKey] = to_hex(state);
+  meta[kStateKey] = detail::to_hex(state);
   for (const auto& [key, value] : options.metadata) meta[key] = value;
   header["__metadata__"] = meta;
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
 
-  // Write next to the target, then replace it: a failure leaves any earlier checkpoint intact.
-  const std::string tmp = path + ".partial";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(ErrorKind::invalid_argument, concat("checkpoint ", path, ": cannot write ", tmp));
-    unsigned char size[8];
-    for (int i = 0; i < 8; ++i) size[i] = static_cast<unsigned char>((static_cast<std::uint64_t>(text.size()) >> (8 * i)) & 0xFFu);
-    f.write(reinterpret_cast<const char*>(size), 8);
-    f.write(text.data(), static_cast<std::streamsize>(text.size()));
-    std::vector<char> buffer;
-    for (const Part& p : parts) {
-      buffer.resize(p.bytes);
-      copy_out(opt, buffer.data(), p.data, p.bytes);
-      f.write(buffer.data(), static_cast<std::streamsize>(p.bytes));
+  PartialFile f(path, tmp);
+  unsigned char size[8];
+  for (int i = 0; i < 8; ++i) size[i] = static_cast<unsigned char>((static_cast<std::uint64_t>(text.size()) >> (8 * i)) & 0xFFu);
+  f.write(size, 8);
+  f.write(text.data(), text.size());
+  std::vector<char> buffer;
+  for (const Part& p : parts) {
+    buffer.resize(p.bytes);
+    copy_out(opt, buffer.data(), p.data, p.bytes);
+    // A checkpoint that could not be loaded is never written.
+    const std::string bad = bad_value(p, buffer.data(), opt.config().model_dtype);
+    if (!bad.empty()) {
+      throw Error(ErrorKind::usage, concat("save_checkpoint: the optimizer cannot be checkpointed: tensor '", p.name,
+                                           "' ", bad));
     }
-    f.flush();
-    if (!f) {
-      std::remove(tmp.c_str());
-      throw Error(ErrorKind::invalid_argument, concat("checkpoint ", path, ": writing ", tmp, " failed"));
-    }
+    f.write(buffer.data(), p.bytes);
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw Error(ErrorKind::invalid_argument, concat("checkpoint ", path, ": cannot replace it with ", tmp));
-  }
+  f.finish();
+  f.replace_target();
 }
 
 namespace {
 
-// A safetensors file's header, read and parsed.
-struct Header {
-  Json json;
-  std::uint64_t header_bytes = 0, data_bytes = 0;
-  std::map<std::string, std::string> metadata;  // the caller's keys
-  std::string state;                            // halfstep.optimizer_state, decoded
-};
-
-Header read_header(std::ifstream& f, const std::string& path) {
-  if (!f) throw Error(ErrorKind::invalid_argument, concat("checkpoint ", path, ": cannot read it"));
-  f.seekg(0, std::ios::end);
-  const auto file_bytes = static_cast<std::uint64_t>(f.tellg());
-  f.seekg(0);
-  if (file_bytes < 8) corrupt(path, concat("truncated: ", file_bytes, " bytes, a header length needs 8"));
-  unsigned char size[8];
-  f.read(reinterpret_cast<char*>(size), 8);
-  Header h;
-  for (int i = 0; i < 8; ++i) h.header_bytes |= static_cast<std::uint64_t>(size[i]) << (8 * i);
-  if (h.header_bytes > kMaxHeaderBytes || h.header_bytes > file_bytes - 8) {
-    corrupt(path, concat("the header length ", h.header_bytes, " does not fit a file of ", file_bytes,
-                         " bytes (is it a safetensors file?)"));
+// The checkpoint at `path`, opened for reading: a regular file (a FIFO would block the open, a
+// device would be read as a file).
+std::ifstream open_checkpoint(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw Error(ErrorKind::invalid_argument, concat("checkpoint ", path, ": cannot read it: ", os_error()));
   }
-  std::string text(static_cast<std::size_t>(h.header_bytes), '\0');
-  f.read(text.data(), static_cast<std::streamsize>(text.size()));
-  h.data_bytes = file_bytes - 8 - h.header_bytes;
-  try {
-    h.json = Json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    corrupt(path, concat("the header is not JSON (", e.what(), ")"));
-  }
-  if (!h.json.is_object()) corrupt(path, "the header is not a JSON object");
-  if (h.json.contains("__metadata__")) {
-    const Json& meta = h.json["__metadata__"];
-    if (!meta.is_object()) corrupt(path, "__metadata__ is not an object");
-    for (const auto& [key, value] : meta.items()) {
-      if (!value.is_string()) corrupt(path, concat("metadata '", key, "' is not a string"));
-      if (key == kStateKey) {
-        h.state = from_hex(path, value.get<std::string>());
-      } else if (key.rfind("halfstep.", 0) != 0) {
-        h.metadata[key] = value.get<std::string>();
-      }
-    }
-  }
-  return h;
+  if (!S_ISREG(st.st_mode)) throw Error(ErrorKind::invalid_argument, concat("checkpoint ", path, ": not a regular file"));
+  return std::ifstream(path, std::ios::binary);
 }
 
 }  // namespace
 
 std::map<std::string, std::string> checkpoint_metadata(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return read_header(f, path).metadata;
+  std::ifstream f = open_checkpoint(path);
+  return detail::read_safetensors_header(f, path).metadata;
 }
 
 namespace {
 
 std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector<Part>& parts, const std::string& path) {
-
-  // Read and check everything first.
-  std::ifstream f(path, std::ios::binary);
-  const Header h = read_header(f, path);
-  const Json& header = h.json;
-  const std::uint64_t header_bytes = h.header_bytes, data_bytes = h.data_bytes;
-  const std::map<std::string, std::string>& metadata = h.metadata;
-  const std::string& state = h.state;
-  if (state.empty()) corrupt(path, concat("no '", kStateKey, "' in the metadata: not a halfstep checkpoint"));
+  // Read and check everything first: the header, the state, then every part's values in host
+  // memory. Only then is anything written.
+  std::ifstream f = open_checkpoint(path);
+  const detail::SafetensorsHeader h = detail::read_safetensors_header(f, path);
+  if (h.state.empty()) corrupt(path, concat("no '", kStateKey, "' in the metadata: not a halfstep checkpoint"));
   try {
-    (void)halfstep::load_state(state, opt.config());  // checks the state; changes nothing
+    (void)halfstep::load_state(h.state, opt.config());  // checks the state; changes nothing
   } catch (const Error& e) {
     corrupt(path, e.what());
   }
 
-  struct Found {
-    std::uint64_t begin;
-    bool present;
-  };
-  std::vector<Found> found;
-  for (const Part& p : parts) {
-    if (!header.contains(p.name)) {
-      if (!p.optional) corrupt(path, concat("no tensor '", p.name, "'"));
-      found.push_back({0, false});
-      continue;
-    }
-    const Json& e = header[p.name];
-    const auto where = concat("tensor '", p.name, "'");
-    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets")) {
-      corrupt(path, where + " lacks dtype, shape or data_offsets");
-    }
-    if (!e["dtype"].is_string() || e["dtype"].get<std::string>() != p.dtype) {
-      corrupt(path, concat(where, " is ", e["dtype"].dump(), ", this optimizer needs ", p.dtype));
-    }
-    if (!e["shape"].is_array()) corrupt(path, where + ": shape is not a list");
-    std::uint64_t numel = 1;
-    for (const Json& d : e["shape"]) {
-      if (!d.is_number_unsigned() || (numel != 0 && d.get<std::uint64_t>() > (UINT64_MAX >> 2) / numel)) {
-        corrupt(path, where + ": shape holds a value that is not a size");
-      }
-      numel *= d.get<std::uint64_t>();
-    }
-    const std::uint64_t wanted = static_cast<std::uint64_t>(p.offset) + static_cast<std::uint64_t>(p.numel);
-    if (p.slice ? numel < wanted : numel != wanted) {
-      corrupt(path, p.slice ? concat(where, " has ", numel, " elements; this shard needs [", p.offset, ", ", wanted, ")")
-                            : concat(where, " has ", numel, " elements, this optimizer's tensor has ", p.numel));
-    }
-    const Json& o = e["data_offsets"];
-    if (!o.is_array() || o.size() != 2 || !o[0].is_number_unsigned() || !o[1].is_number_unsigned()) {
-      corrupt(path, where + ": data_offsets is not [begin, end]");
-    }
-    const auto begin = o[0].get<std::uint64_t>(), end = o[1].get<std::uint64_t>();
-    if (begin > end || end > data_bytes || end - begin != numel * p.elem) {
-      corrupt(path, concat(where, ": bytes [", begin, ", ", end, ") do not hold ", numel * p.elem,
-                           " bytes inside the file's ", data_bytes, " (truncated?)"));
-    }
-    found.push_back({begin + static_cast<std::uint64_t>(p.offset) * p.elem, true});
-  }
-
-  // Then write: buffers, model copies recomputed where the file has none, and the state.
-  const std::uint64_t data_start = 8 + header_bytes;
-  std::vector<char> buffer;
+  const DType model_dtype = opt.config().model_dtype;
+  const std::uint64_t data_start = 8 + h.header_bytes;
+  std::vector<std::vector<char>> values(parts.size());
+  std::vector<bool> present(parts.size(), false);
   for (std::size_t k = 0; k < parts.size(); ++k) {
     const Part& p = parts[k];
-    if (!found[k].present) continue;
-    buffer.resize(p.bytes);
-    f.seekg(static_cast<std::streamoff>(data_start + found[k].begin));
-    f.read(buffer.data(), static_cast<std::streamsize>(p.bytes));
-    if (!f) corrupt(path, concat("reading tensor '", p.name, "' failed"));
-    copy_in(opt, p.data, buffer.data(), p.bytes);
-  }
-  const std::vector<ParamTensor>& tensors = opt.tensors();
-  std::size_t k = 0;
-  for (const ParamTensor& t : tensors) {
-    k += 3;  // master and moments
-    if (t.model == nullptr) continue;
-    if (!found[k].present) {  // round the restored masters, as a step would
-      std::vector<float> master(static_cast<std::size_t>(t.numel));
-      copy_out(opt, master.data(), t.master, master.size() * 4);
-      std::vector<std::uint16_t> model(master.size());
-      for (std::size_t i = 0; i < master.size(); ++i) model[i] = to_bits16(opt.config().model_dtype, master[i]);
-      copy_in(opt, t.model, model.data(), model.size() * 2);
+    const auto it = h.tensors.find(p.name);
+    if (it == h.tensors.end()) {
+      if (p.role != Role::model) corrupt(path, concat("no tensor '", p.name, "'"));
+      continue;
     }
-    ++k;
+    const detail::SafetensorsEntry& e = it->second;
+    const auto where = concat("tensor '", p.name, "'");
+    if (e.dtype != p.dtype) corrupt(path, concat(where, " is ", e.dtype, ", this optimizer needs ", p.dtype));
+    const std::uint64_t wanted = static_cast<std::uint64_t>(p.offset) + static_cast<std::uint64_t>(p.numel);
+    if (p.slice ? e.numel < wanted : e.numel != wanted) {
+      corrupt(path, p.slice ? concat(where, " has ", e.numel, " elements; this shard needs [", p.offset, ", ", wanted, ")")
+                            : concat(where, " has ", e.numel, " elements, this optimizer's tensor has ", p.numel));
+    }
+    std::vector<char>& v = values[k];
+    v.resize(p.bytes);
+    f.seekg(static_cast<std::streamoff>(data_start + e.begin + static_cast<std::uint64_t>(p.offset) * p.elem));
+    f.read(v.data(), static_cast<std::streamsize>(p.bytes));
+    if (!f) corrupt(path, concat("reading ", where, " failed"));
+    const std::string bad = bad_value(p, v.data(), model_dtype);
+    if (!bad.empty()) corrupt(path, concat(where, " ", bad));
+    present[k] = true;
   }
+  // Model copies the file lacks: the restored masters rounded, as a step would (finite: checked).
+  for (std::size_t k = 0; k < parts.size(); ++k) {
+    const Part& p = parts[k];
+    if (present[k] || p.role != Role::model) continue;
+    const std::vector<char>& master = values[p.master];
+    std::vector<char>& v = values[k];
+    v.resize(p.bytes);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(p.numel); ++i) {
+      float x;
+      std::memcpy(&x, master.data() + 4 * i, 4);
+      const std::uint16_t b = to_bits16(model_dtype, x);
+      std::memcpy(v.data() + 2 * i, &b, 2);
+    }
+  }
+
+  // Then write: buffers and the state.
+  for (std::size_t k = 0; k < parts.size(); ++k) copy_in(opt, parts[k].data, values[k].data(), parts[k].bytes);
   if (opt.backend() == Backend::cuda) {
     // Copies from pageable memory may land after cudaMemcpy returns, and steps on non-blocking
     // streams do not wait for the legacy stream they used: wait for them here.
     HALFSTEP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   }
-  opt.load_state(state);
-  return metadata;
+  opt.load_state(h.state);
+  return h.metadata;
 }
 
 }  // namespace

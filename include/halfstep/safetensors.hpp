@@ -26,8 +26,16 @@ struct CheckpointOptions {
 /// optimizer was built with), its fp32 master as `names[i]`, its moments as `names[i] + ".exp_avg"`
 /// and `names[i] + ".exp_avg_sq"` (F32), its model copy as `names[i] + ".model"` (F16 or BF16),
 /// each one-dimensional; the metadata holds "halfstep.version" and "halfstep.optimizer_state"
-/// (save_state, hex-encoded) next to the caller's pairs. Waits for the last step, works on either
-/// backend, and replaces `path` only once the whole file is written.
+/// (save_state, hex-encoded) next to the caller's pairs. The F32 tensors come first in the data,
+/// then the model copies, so that every tensor starts at a multiple of its element size. Waits for
+/// the last step, works on either backend, and replaces `path` only once the whole file is
+/// written (to `path + ".partial"`, flushed to the disk, then renamed).
+///
+/// Throws halfstep::Error, leaving `path` as it was: invalid_argument, before any work, if `path`
+/// exists and is not a regular file (a device, a FIFO, a directory), if its directory does not
+/// exist or is not writable, or if `path + ".partial"` exists and is not a regular file;
+/// invalid_argument if a write, the flush or the close fails (a full disk, say); usage if a value
+/// is one load_checkpoint refuses (a checkpoint that could not be loaded is never written).
 void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, const std::string& path,
                      const CheckpointOptions& options = {});
 
@@ -37,6 +45,17 @@ void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, con
 /// truncated file, a missing or mismatched tensor or a state from another configuration throws
 /// halfstep::Error (ErrorKind::corrupt_state) naming it, and `opt` is unchanged. Model copies
 /// missing from the file are recomputed from the masters. Returns the caller's metadata.
+///
+/// A checkpoint is input, and everything is read and checked before the first byte of `opt` is
+/// written. The whole header, every entry of it: at most 100,000,000 bytes of JSON, nested at
+/// most 8 deep, at most 2^20 tensors and 2^16 metadata pairs, no name, key or field twice, known
+/// safetensors dtypes, each tensor's bytes the size of its shape and starting at a multiple of its
+/// element size, and, as Python's safetensors package requires, the tensors' byte ranges sorted by
+/// their start covering the data section exactly, without overlap or gap. The values loaded:
+/// masters and moments finite, second moments >= 0, model copies finite, and each master of a
+/// tensor with a model copy rounding to a finite one (at most 65504 in magnitude for fp16, give or
+/// take the rounding). A refusal names the tensor, the element or field, and the rule. A path
+/// that is not a regular file is refused (invalid_argument) without being opened.
 std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names,
                                                    const std::string& path);
 
@@ -51,7 +70,8 @@ std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const Shard&
                                                    const std::vector<std::string>& names, const std::string& path);
 
 /// The caller's metadata of a checkpoint file, without loading anything (to check it first).
-/// Throws halfstep::Error (corrupt_state) if the file is not a safetensors file.
+/// Throws halfstep::Error (corrupt_state) if the file is not a safetensors file whose header
+/// passes the checks load_checkpoint makes of it.
 std::map<std::string, std::string> checkpoint_metadata(const std::string& path);
 
 }  // namespace halfstep
