@@ -93,6 +93,46 @@ void expect_mismatch(const std::string& bytes, const StepConfig& here, const std
   }
 }
 
+// Every field set apart from its default and from its neighbours, so that a field written in
+// another place, width or encoding changes the bytes.
+StepConfig distinct_config() {
+  StepConfig c;
+  c.grad_dtype = DType::bf16;
+  c.model_dtype = DType::f16;
+  c.max_grad_norm = 1.5f;
+  c.scaler.init_scale = 1024.0f;
+  c.scaler.growth_factor = 3.0f;
+  c.scaler.backoff_factor = 0.25f;
+  c.scaler.growth_interval = 100;
+  c.scaler.hysteresis = 2;
+  c.scaler.consecutive_hysteresis = true;
+  c.scaler.min_scale = 2.0f;
+  c.scaler.max_scale = 1048576.0f;
+  c.scaler.headroom_growth = true;
+  c.scaler.headroom_margin_log2 = 3.5f;
+  c.spike.enabled = true;
+  c.spike.z_threshold = 5.0f;
+  c.spike.ema_beta = 0.98f;
+  c.spike.warmup_steps = 20;
+  c.spike.action = SpikeConfig::Action::skip;
+  c.spike.min_std = 0.125f;
+  c.spike.max_consecutive = 9;
+  c.groups.resize(2);
+  c.groups[0] = AdamWConfig{3e-4f, 0.85f, 0.995f, 1e-6f, 0.1f, true, false};
+  c.groups[1] = AdamWConfig{1e-3f, 0.8f, 0.99f, 1e-7f, 0.01f, false, true};
+  return c;
+}
+
+std::string hex(const std::string& bytes) {
+  static const char digits[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out += digits[b >> 4];
+    out += digits[b & 15];
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("a state and its configuration round-trip bit-exactly", "[checkpoint]") {
@@ -108,6 +148,80 @@ TEST_CASE("a state and its configuration round-trip bit-exactly", "[checkpoint]"
   CHECK(back.config.grad_dtype == DType::bf16);
   CHECK(back.config.spike.warmup_steps == 20);
   CHECK(encode_state(back.state, back.config) == bytes);
+}
+
+TEST_CASE("the format's bytes are fixed: a known state and configuration encode to known bytes", "[checkpoint]") {
+  // What version 2 is for these values: a change to any of these bytes breaks every checkpoint
+  // already saved.
+  const std::string golden =
+      // "HSTP", version 2, 202 bytes of payload
+      "4853545002000000ca000000"
+      // the state
+      "b4a21146110000000100000005000000000000000300000000000000040000000000000055555555"
+      "5555d5bf0100000000000000d2040000000000000700000000000000020000000000000074f3c8f4"
+      "e50000004ff7c8f4e5000000"
+      // the configuration, then 2 groups
+      "01000000c03f00008044000040400000803e64000000020000000100000040000080490100006040"
+      "010000a04048e17a3f14000000010000003e0900000002000000"
+      // the groups
+      "52499d399a99593f52b87e3fbd378635cdcccc3d01006f12833acdcc4c3fa4707d3f95bfd6330ad7"
+      "233c0001"
+      // CRC-32
+      "08114512";
+  const std::string bytes = encode_state(sample_state(), distinct_config());
+  CHECK(hex(bytes) == golden);
+  const SavedState back = decode_state(bytes);
+  CHECK(back.state == sample_state());
+  CHECK(encode_state(back.state, back.config) == bytes);  // every field read back where it was written
+}
+
+TEST_CASE("flags and formats out of range are refused; mismatches are named with their reason", "[checkpoint]") {
+  const std::string bytes = encode_state(sample_state(), distinct_config());
+  const auto with_byte = [&](std::size_t at, unsigned char value) {
+    return with_field(bytes, at, static_cast<std::uint8_t>(value));
+  };
+  // Offsets in the golden layout above: the configuration starts at 104, the groups at 170 and 192.
+  expect_corrupt(with_byte(104, 2), "halfstep state checkpoint: grad_dtype must be f16 or bf16, got code 2");
+  expect_corrupt(with_byte(105, 7), "model_dtype must be f16 or bf16, got code 7");
+  expect_corrupt(with_byte(130, 2), "ScalerConfig.consecutive_hysteresis must be 0 or 1, got 2");
+  expect_corrupt(with_byte(139, 3), "ScalerConfig.headroom_growth must be 0 or 1, got 3");
+  expect_corrupt(with_byte(144, 255), "SpikeConfig.enabled must be 0 or 1, got 255");
+  expect_corrupt(with_byte(157, 2), "SpikeConfig.action must be 0 or 1, got 2");
+  expect_corrupt(with_byte(190, 2), "AdamWConfig.decoupled_weight_decay must be 0 or 1, got 2");
+  expect_corrupt(with_byte(213, 2), "AdamWConfig.bias_correction must be 0 or 1, got 2");
+
+  const std::string prefix = "halfstep state checkpoint does not fit this StepConfig: ";
+  StepConfig c = distinct_config();
+  c.spike.action = SpikeConfig::Action::log;
+  expect_mismatch(bytes, c, prefix + "SpikeConfig.action is skip is 1 in the checkpoint and 0 here "
+                            "(the spike statistics follow its rules)");
+  c = distinct_config();
+  c.scaler.growth_factor = 2.0f;
+  expect_mismatch(bytes, c, prefix + "ScalerConfig.growth_factor is 3 in the checkpoint and 2 here "
+                            "(the scaler's state follows its rules)");
+  c = distinct_config();
+  c.model_dtype = DType::bf16;
+  expect_mismatch(bytes, c, prefix + "model_dtype is f16 in the checkpoint and bf16 here "
+                            "(the model copies are in it)");
+  c = distinct_config();
+  c.groups[1].beta1 = 0.85f;
+  expect_mismatch(bytes, c, prefix + "groups[1].beta1 is 0.800000012 in the checkpoint and 0.850000024 here "
+                            "(the moments and bias correction were built with it)");
+  // Several mismatches: the number of groups first, then the fields in the order they are recorded.
+  c = distinct_config();
+  c.groups.resize(3);
+  c.grad_dtype = DType::f16;
+  expect_mismatch(bytes, c, prefix + "the number of groups is 2 in the checkpoint and 3 here "
+                            "(each group has its own state)");
+  c = distinct_config();
+  c.groups[0].bias_correction = true;
+  c.spike.min_std = 0.5f;
+  c.scaler.headroom_margin_log2 = 1.0f;
+  expect_mismatch(bytes, c, "ScalerConfig.headroom_margin_log2 is 3.5 in the checkpoint and 1 here");
+  c.scaler.headroom_margin_log2 = 3.5f;
+  expect_mismatch(bytes, c, "SpikeConfig.min_std is 0.125 in the checkpoint and 0.5 here");
+  c.spike.min_std = 0.125f;
+  expect_mismatch(bytes, c, "groups[0].bias_correction is 0 in the checkpoint and 1 here");
 }
 
 TEST_CASE("truncated checkpoints are rejected at every length", "[checkpoint]") {
