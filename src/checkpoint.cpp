@@ -1,22 +1,16 @@
 // Checkpoint format, version 2:
 //   "HSTP" | u32 version | u32 payload bytes | payload | u32 CRC-32 (zlib) of everything before it
-// Payload, little-endian, floating-point fields as their bits:
-//   state   scale f32, good_steps i32, hysteresis_left i32, overflows i64, growths i64,
-//           backoffs i64, spike mean f64, var f64, seen i64, spikes i64, consecutive i64,
-//           step i64, attempts i64
-//   config  grad_dtype u8, model_dtype u8, max_grad_norm f32,
-//           scaler: init_scale f32, growth_factor f32, backoff_factor f32, growth_interval i32,
-//           hysteresis i32, consecutive_hysteresis u8, min_scale f32, max_scale f32,
-//           headroom_growth u8, headroom_margin_log2 f32,
-//           spike: enabled u8, z_threshold f32, ema_beta f32, warmup_steps i32, action u8,
-//           min_std f32, max_consecutive i32,
-//           groups u32, then per group: lr f32, beta1 f32, beta2 f32, eps f32, weight_decay f32,
-//           decoupled_weight_decay u8, bias_correction u8
+// Payload, little-endian: the fields listed in visit_state, then those in visit_config, the number
+// of groups (u32), then each group's fields as listed in visit_group, in that order, each as its
+// type says (Wire below): float and double as their f32 and f64 bits, int32_t and int64_t as i32
+// and i64, and bool, DType and the spike action as one byte (0 or 1; the DType's code; 1: skip).
 #include "halfstep/checkpoint.hpp"
 
 #include <zlib.h>
 
 #include <cstring>
+#include <string>
+#include <utility>
 
 #include "check.hpp"
 
@@ -25,10 +19,7 @@ namespace {
 
 constexpr char kMagic[4] = {'H', 'S', 'T', 'P'};
 constexpr std::size_t kHeaderBytes = 12;
-constexpr std::size_t kStateBytes = 4 + 4 + 4 + 3 * 8 + 2 * 8 + 3 * 8 + 2 * 8;
-constexpr std::size_t kConfigBytes = 1 + 1 + 4 + (4 * 3 + 4 + 4 + 1 + 4 + 4 + 1 + 4) +
-                                     (1 + 4 + 4 + 4 + 1 + 4 + 4) + 4;
-constexpr std::size_t kGroupBytes = 5 * 4 + 2;
+constexpr std::size_t kGroupCountBytes = 4;
 /// More groups than any model has; bounds what a corrupt count can make the decoder allocate.
 constexpr std::uint32_t kMaxGroups = 1u << 20;
 
@@ -43,83 +34,210 @@ std::uint32_t checksum(const char* data, std::size_t n) {
   return static_cast<std::uint32_t>(c);
 }
 
-class Writer {
- public:
-  void bytes(const void* p, std::size_t n) { out_.append(static_cast<const char*>(p), n); }
-  void u8(std::uint8_t v) { out_.push_back(static_cast<char>(v)); }
-  void u32(std::uint32_t v) {
-    for (int i = 0; i < 4; ++i) out_.push_back(static_cast<char>((v >> (8 * i)) & 0xFFu));
-  }
-  void u64(std::uint64_t v) {
-    for (int i = 0; i < 8; ++i) out_.push_back(static_cast<char>((v >> (8 * i)) & 0xFFu));
-  }
-  void i32(std::int32_t v) { u32(static_cast<std::uint32_t>(v)); }
-  void i64(std::int64_t v) { u64(static_cast<std::uint64_t>(v)); }
-  void boolean(bool v) { u8(v ? 1 : 0); }
-  void f32(float v) {
-    std::uint32_t b;
-    std::memcpy(&b, &v, 4);
-    u32(b);
-  }
-  void f64(double v) {
-    std::uint64_t b;
-    std::memcpy(&b, &v, 8);
-    u64(b);
-  }
-  std::string& str() { return out_; }
-
- private:
-  std::string out_;
-};
-
 [[noreturn]] void corrupt(const std::string& why) {
   throw Error(ErrorKind::corrupt_state, "halfstep state checkpoint: " + why);
 }
 
-// Reads fields from a range whose length was checked before.
+// How each type of field is stored: its width in bytes and the bits written; `valid` and `rule`
+// say which bits a decoder accepts. A field of any other type needs its encoding here first.
+template <class T>
+struct Wire;
+
+// Numbers: their bits, as they are in memory.
+template <class T, class Bits>
+struct AsBits {
+  static constexpr std::size_t bytes = sizeof(Bits);
+  static std::uint64_t bits(T x) {
+    Bits b;
+    std::memcpy(&b, &x, sizeof b);
+    return b;
+  }
+  static T value(std::uint64_t stored) {
+    const auto b = static_cast<Bits>(stored);
+    T x;
+    std::memcpy(&x, &b, sizeof x);
+    return x;
+  }
+  static bool valid(std::uint64_t) { return true; }
+  static constexpr const char* rule = "";
+};
+template <>
+struct Wire<float> : AsBits<float, std::uint32_t> {};
+template <>
+struct Wire<double> : AsBits<double, std::uint64_t> {};
+template <>
+struct Wire<std::int32_t> : AsBits<std::int32_t, std::uint32_t> {};
+template <>
+struct Wire<std::int64_t> : AsBits<std::int64_t, std::uint64_t> {};
+
+template <>
+struct Wire<bool> {
+  static constexpr std::size_t bytes = 1;
+  static std::uint64_t bits(bool x) { return x ? 1 : 0; }
+  static bool value(std::uint64_t stored) { return stored == 1; }
+  static bool valid(std::uint64_t stored) { return stored <= 1; }
+  static constexpr const char* rule = " must be 0 or 1, got ";
+};
+
+template <>
+struct Wire<DType> {
+  static constexpr std::size_t bytes = 1;
+  static std::uint64_t bits(DType x) { return static_cast<std::uint8_t>(x); }
+  static DType value(std::uint64_t stored) { return static_cast<DType>(stored); }
+  static bool valid(std::uint64_t stored) {
+    return stored == static_cast<std::uint8_t>(DType::f16) || stored == static_cast<std::uint8_t>(DType::bf16);
+  }
+  static constexpr const char* rule = " must be f16 or bf16, got code ";
+};
+
+template <>
+struct Wire<SpikeConfig::Action> : Wire<bool> {  // the flag "is skip"
+  static std::uint64_t bits(SpikeConfig::Action x) {
+    return Wire<bool>::bits(x == SpikeConfig::Action::skip);
+  }
+  static SpikeConfig::Action value(std::uint64_t stored) {
+    return Wire<bool>::value(stored) ? SpikeConfig::Action::skip : SpikeConfig::Action::log;
+  }
+};
+
+/// One recorded field: its name in error messages and, if the checkpoint's value must equal the
+/// configuration's when loading, why (SavedState lists these). State fields are never compared:
+/// validate_state checks them against the configuration instead.
+struct Field {
+  const char* name;
+  const char* must_match_because = nullptr;
+};
+
+// What a checkpoint holds, each field once, in the order of the format. Each function calls
+// v.field(Field, x...) with that field of every object given: the Writer and the Sizer visit one
+// object, the Reader the one it fills, the Matcher the checkpoint's and the one to load into. A
+// new option is a line here (and a new format version).
+
+template <class V, class... S>
+void visit_state(V& v, S&... s) {
+  v.field({"ScalerState.scale"}, s.scaler.scale...);
+  v.field({"ScalerState.good_steps"}, s.scaler.good_steps...);
+  v.field({"ScalerState.hysteresis_left"}, s.scaler.hysteresis_left...);
+  v.field({"ScalerState.overflows"}, s.scaler.overflows...);
+  v.field({"ScalerState.growths"}, s.scaler.growths...);
+  v.field({"ScalerState.backoffs"}, s.scaler.backoffs...);
+  v.field({"SpikeState.mean"}, s.spike.mean...);
+  v.field({"SpikeState.var"}, s.spike.var...);
+  v.field({"SpikeState.seen"}, s.spike.seen...);
+  v.field({"SpikeState.spikes"}, s.spike.spikes...);
+  v.field({"SpikeState.consecutive"}, s.spike.consecutive...);
+  v.field({"OptimizerState.step"}, s.step...);
+  v.field({"OptimizerState.attempts"}, s.attempts...);
+}
+
+// Everything of a StepConfig but its groups (and host_driven, which is not recorded).
+template <class V, class... C>
+void visit_config(V& v, C&... c) {
+  v.field({"grad_dtype", "the scaler's state is for its range"}, c.grad_dtype...);
+  v.field({"model_dtype", "the model copies are in it"}, c.model_dtype...);
+  v.field({"max_grad_norm"}, c.max_grad_norm...);
+  const char* scaler = "the scaler's state follows its rules";
+  v.field({"ScalerConfig.init_scale"}, c.scaler.init_scale...);
+  v.field({"ScalerConfig.growth_factor", scaler}, c.scaler.growth_factor...);
+  v.field({"ScalerConfig.backoff_factor", scaler}, c.scaler.backoff_factor...);
+  v.field({"ScalerConfig.growth_interval", scaler}, c.scaler.growth_interval...);
+  v.field({"ScalerConfig.hysteresis", scaler}, c.scaler.hysteresis...);
+  v.field({"ScalerConfig.consecutive_hysteresis", scaler}, c.scaler.consecutive_hysteresis...);
+  v.field({"ScalerConfig.min_scale", scaler}, c.scaler.min_scale...);
+  v.field({"ScalerConfig.max_scale", scaler}, c.scaler.max_scale...);
+  v.field({"ScalerConfig.headroom_growth", scaler}, c.scaler.headroom_growth...);
+  v.field({"ScalerConfig.headroom_margin_log2", scaler}, c.scaler.headroom_margin_log2...);
+  const char* spike = "the spike statistics follow its rules";
+  v.field({"SpikeConfig.enabled", spike}, c.spike.enabled...);
+  v.field({"SpikeConfig.z_threshold", spike}, c.spike.z_threshold...);
+  v.field({"SpikeConfig.ema_beta", spike}, c.spike.ema_beta...);
+  v.field({"SpikeConfig.warmup_steps", spike}, c.spike.warmup_steps...);
+  v.field({"SpikeConfig.action", spike}, c.spike.action...);
+  v.field({"SpikeConfig.min_std", spike}, c.spike.min_std...);
+  v.field({"SpikeConfig.max_consecutive", spike}, c.spike.max_consecutive...);
+}
+
+// One group. The names are completed by the visitor: "AdamWConfig.beta1" when decoding,
+// "groups[1].beta1" when matching.
+template <class V, class... G>
+void visit_group(V& v, G&... g) {
+  const char* built = "the moments and bias correction were built with it";
+  v.field({"lr"}, g.lr...);
+  v.field({"beta1", built}, g.beta1...);
+  v.field({"beta2", built}, g.beta2...);
+  v.field({"eps"}, g.eps...);
+  v.field({"weight_decay"}, g.weight_decay...);
+  v.field({"decoupled_weight_decay", built}, g.decoupled_weight_decay...);
+  v.field({"bias_correction", built}, g.bias_correction...);
+}
+
+class Sizer {
+ public:
+  template <class T>
+  void field(const Field&, const T&) {
+    bytes += Wire<T>::bytes;
+  }
+  std::size_t bytes = 0;
+};
+
+// The payload's parts: the state, the configuration and the group count; then each group.
+struct Sizes {
+  std::size_t fixed;
+  std::size_t group;
+};
+
+const Sizes& sizes() {
+  static const Sizes s = [] {
+    const OptimizerState state{};
+    const StepConfig config;
+    Sizer fixed, group;
+    visit_state(fixed, state);
+    visit_config(fixed, config);
+    visit_group(group, config.groups.front());
+    return Sizes{fixed.bytes + kGroupCountBytes, group.bytes};
+  }();
+  return s;
+}
+
+class Writer {
+ public:
+  template <class T>
+  void field(const Field&, const T& x) {
+    put(Wire<T>::bits(x), Wire<T>::bytes);
+  }
+  void bytes(const void* p, std::size_t n) { out_.append(static_cast<const char*>(p), n); }
+  void u32(std::uint32_t v) { put(v, 4); }
+  std::string& str() { return out_; }
+
+ private:
+  void put(std::uint64_t bits, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) out_.push_back(static_cast<char>((bits >> (8 * i)) & 0xFFu));
+  }
+  std::string out_;
+};
+
+// Reads fields from a range whose length was checked before; a field's bits that its type does
+// not accept are refused, naming it (prefixed with `scope`).
 class Reader {
  public:
   explicit Reader(std::string_view in) : in_(in) {}
-  std::uint8_t u8() { return byte(); }
-  std::uint32_t u32() {
-    std::uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(byte()) << (8 * i);
-    return v;
+  template <class T>
+  void field(const Field& f, T& x) {
+    const std::uint64_t stored = take(Wire<T>::bytes);
+    if (!Wire<T>::valid(stored)) corrupt(detail::concat(scope, f.name, Wire<T>::rule, stored));
+    x = Wire<T>::value(stored);
   }
-  std::uint64_t u64() {
-    std::uint64_t v = 0;
-    for (int i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(byte()) << (8 * i);
-    return v;
-  }
-  std::int32_t i32() { return static_cast<std::int32_t>(u32()); }
-  std::int64_t i64() { return static_cast<std::int64_t>(u64()); }
-  bool boolean(const char* field) {
-    const std::uint8_t b = byte();
-    if (b > 1) corrupt(detail::concat(field, " must be 0 or 1, got ", static_cast<int>(b)));
-    return b == 1;
-  }
-  DType dtype(const char* field) {
-    const std::uint8_t b = byte();
-    if (b != static_cast<std::uint8_t>(DType::f16) && b != static_cast<std::uint8_t>(DType::bf16)) {
-      corrupt(detail::concat(field, " must be f16 or bf16, got code ", static_cast<int>(b)));
-    }
-    return static_cast<DType>(b);
-  }
-  float f32() {
-    const std::uint32_t b = u32();
-    float v;
-    std::memcpy(&v, &b, 4);
-    return v;
-  }
-  double f64() {
-    const std::uint64_t b = u64();
-    double v;
-    std::memcpy(&v, &b, 8);
-    return v;
-  }
+  std::uint32_t u32() { return static_cast<std::uint32_t>(take(4)); }
+  const char* scope = "";
 
  private:
-  unsigned char byte() { return static_cast<unsigned char>(in_[pos_++]); }
+  std::uint64_t take(std::size_t n) {
+    std::uint64_t v = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      v |= std::uint64_t{static_cast<unsigned char>(in_[pos_++])} << (8 * i);
+    }
+    return v;
+  }
   std::string_view in_;
   std::size_t pos_ = 0;
 };
@@ -135,6 +253,32 @@ void must_match(const T& saved, const T& here, const std::string& field, const c
   }
 }
 
+// Compares a checkpoint's configuration with the one it is loaded into, field by field.
+class Matcher {
+ public:
+  explicit Matcher(std::string scope) : scope_(std::move(scope)) {}
+  template <class T>
+  void field(const Field& f, const T& saved, const T& here) {
+    if (f.must_match_because != nullptr) {
+      must_match(shown(saved), shown(here), scope_ + f.name, f.must_match_because);
+    }
+  }
+  void field(const Field& f, SpikeConfig::Action saved, SpikeConfig::Action here) {
+    if (f.must_match_because != nullptr) {  // as recorded: the flag "is skip"
+      using Flag = Wire<SpikeConfig::Action>;
+      must_match(Flag::bits(saved), Flag::bits(here), scope_ + f.name + " is skip", f.must_match_because);
+    }
+  }
+
+ private:
+  template <class T>
+  static const T& shown(const T& x) {
+    return x;
+  }
+  static std::string_view shown(DType d) { return dtype_name(d); }
+  std::string scope_;
+};
+
 }  // namespace
 
 std::string encode_state(const OptimizerState& s, const StepConfig& c) {
@@ -145,50 +289,11 @@ std::string encode_state(const OptimizerState& s, const StepConfig& c) {
   Writer w;
   w.bytes(kMagic, 4);
   w.u32(kStateFormatVersion);
-  w.u32(static_cast<std::uint32_t>(kStateBytes + kConfigBytes + kGroupBytes * c.groups.size()));
-  w.f32(s.scaler.scale);
-  w.i32(s.scaler.good_steps);
-  w.i32(s.scaler.hysteresis_left);
-  w.i64(s.scaler.overflows);
-  w.i64(s.scaler.growths);
-  w.i64(s.scaler.backoffs);
-  w.f64(s.spike.mean);
-  w.f64(s.spike.var);
-  w.i64(s.spike.seen);
-  w.i64(s.spike.spikes);
-  w.i64(s.spike.consecutive);
-  w.i64(s.step);
-  w.i64(s.attempts);
-  w.u8(static_cast<std::uint8_t>(c.grad_dtype));
-  w.u8(static_cast<std::uint8_t>(c.model_dtype));
-  w.f32(c.max_grad_norm);
-  w.f32(c.scaler.init_scale);
-  w.f32(c.scaler.growth_factor);
-  w.f32(c.scaler.backoff_factor);
-  w.i32(c.scaler.growth_interval);
-  w.i32(c.scaler.hysteresis);
-  w.boolean(c.scaler.consecutive_hysteresis);
-  w.f32(c.scaler.min_scale);
-  w.f32(c.scaler.max_scale);
-  w.boolean(c.scaler.headroom_growth);
-  w.f32(c.scaler.headroom_margin_log2);
-  w.boolean(c.spike.enabled);
-  w.f32(c.spike.z_threshold);
-  w.f32(c.spike.ema_beta);
-  w.i32(c.spike.warmup_steps);
-  w.u8(c.spike.action == SpikeConfig::Action::skip ? 1 : 0);
-  w.f32(c.spike.min_std);
-  w.i32(c.spike.max_consecutive);
+  w.u32(static_cast<std::uint32_t>(sizes().fixed + sizes().group * c.groups.size()));
+  visit_state(w, s);
+  visit_config(w, c);
   w.u32(static_cast<std::uint32_t>(c.groups.size()));
-  for (const AdamWConfig& g : c.groups) {
-    w.f32(g.lr);
-    w.f32(g.beta1);
-    w.f32(g.beta2);
-    w.f32(g.eps);
-    w.f32(g.weight_decay);
-    w.boolean(g.decoupled_weight_decay);
-    w.boolean(g.bias_correction);
-  }
+  for (const AdamWConfig& g : c.groups) visit_group(w, g);
   w.u32(checksum(w.str().data(), w.str().size()));
   return w.str();
 }
@@ -208,7 +313,7 @@ SavedState decode_state(std::string_view bytes) {
                            ")"));
   }
   const std::uint32_t payload = header.u32();
-  if (payload < kStateBytes + kConfigBytes || bytes.size() != kHeaderBytes + std::size_t{payload} + 4) {
+  if (payload < sizes().fixed || bytes.size() != kHeaderBytes + std::size_t{payload} + 4) {
     corrupt(detail::concat("size mismatch: ", bytes.size(), " bytes with a declared payload of ",
                            payload, " (a checkpoint is the payload + ", kHeaderBytes + 4, " bytes)"));
   }
@@ -216,62 +321,22 @@ SavedState decode_state(std::string_view bytes) {
   if (checksum(bytes.data(), body) != Reader(bytes.substr(body)).u32()) {
     corrupt("checksum mismatch (corrupted bytes)");
   }
-  const std::uint64_t n_groups = Reader(bytes.substr(kHeaderBytes + kStateBytes + kConfigBytes - 4)).u32();
-  if (n_groups > kMaxGroups || payload != kStateBytes + kConfigBytes + kGroupBytes * n_groups) {
+  const std::uint64_t n_groups = Reader(bytes.substr(kHeaderBytes + sizes().fixed - kGroupCountBytes)).u32();
+  if (n_groups > kMaxGroups || payload != sizes().fixed + sizes().group * n_groups) {
     corrupt(detail::concat("the payload of ", payload, " bytes does not hold ", n_groups, " groups"));
   }
 
   Reader r(bytes.substr(kHeaderBytes));
   SavedState out;
-  OptimizerState& s = out.state;
-  s.scaler.scale = r.f32();
-  s.scaler.good_steps = r.i32();
-  s.scaler.hysteresis_left = r.i32();
-  s.scaler.overflows = r.i64();
-  s.scaler.growths = r.i64();
-  s.scaler.backoffs = r.i64();
-  s.spike.mean = r.f64();
-  s.spike.var = r.f64();
-  s.spike.seen = r.i64();
-  s.spike.spikes = r.i64();
-  s.spike.consecutive = r.i64();
-  s.step = r.i64();
-  s.attempts = r.i64();
-  StepConfig& c = out.config;
-  c.grad_dtype = r.dtype("grad_dtype");
-  c.model_dtype = r.dtype("model_dtype");
-  c.max_grad_norm = r.f32();
-  c.scaler.init_scale = r.f32();
-  c.scaler.growth_factor = r.f32();
-  c.scaler.backoff_factor = r.f32();
-  c.scaler.growth_interval = r.i32();
-  c.scaler.hysteresis = r.i32();
-  c.scaler.consecutive_hysteresis = r.boolean("ScalerConfig.consecutive_hysteresis");
-  c.scaler.min_scale = r.f32();
-  c.scaler.max_scale = r.f32();
-  c.scaler.headroom_growth = r.boolean("ScalerConfig.headroom_growth");
-  c.scaler.headroom_margin_log2 = r.f32();
-  c.spike.enabled = r.boolean("SpikeConfig.enabled");
-  c.spike.z_threshold = r.f32();
-  c.spike.ema_beta = r.f32();
-  c.spike.warmup_steps = r.i32();
-  c.spike.action = r.boolean("SpikeConfig.action") ? SpikeConfig::Action::skip : SpikeConfig::Action::log;
-  c.spike.min_std = r.f32();
-  c.spike.max_consecutive = r.i32();
+  visit_state(r, out.state);
+  visit_config(r, out.config);
   (void)r.u32();  // the group count, read above
-  c.groups.assign(static_cast<std::size_t>(n_groups), AdamWConfig{});
-  for (AdamWConfig& g : c.groups) {
-    g.lr = r.f32();
-    g.beta1 = r.f32();
-    g.beta2 = r.f32();
-    g.eps = r.f32();
-    g.weight_decay = r.f32();
-    g.decoupled_weight_decay = r.boolean("AdamWConfig.decoupled_weight_decay");
-    g.bias_correction = r.boolean("AdamWConfig.bias_correction");
-  }
+  out.config.groups.assign(static_cast<std::size_t>(n_groups), AdamWConfig{});
+  r.scope = "AdamWConfig.";
+  for (AdamWConfig& g : out.config.groups) visit_group(r, g);
   try {  // the recorded configuration must be valid, and the state one it could have produced
-    c.validate();
-    validate_state(s, c);
+    out.config.validate();
+    validate_state(out.state, out.config);
   } catch (const Error& e) {
     corrupt(e.what());
   }
@@ -283,37 +348,12 @@ SavedState load_state(std::string_view bytes, const StepConfig& config) {
   const StepConfig& a = saved.config;
   const StepConfig& b = config;
   must_match(a.groups.size(), b.groups.size(), "the number of groups", "each group has its own state");
-  must_match(std::string(dtype_name(a.grad_dtype)), std::string(dtype_name(b.grad_dtype)), "grad_dtype", "the scaler's state is for its range");
-  must_match(std::string(dtype_name(a.model_dtype)), std::string(dtype_name(b.model_dtype)), "model_dtype", "the model copies are in it");
-  const char* scaler_why = "the scaler's state follows its rules";
-  must_match(a.scaler.growth_factor, b.scaler.growth_factor, "ScalerConfig.growth_factor", scaler_why);
-  must_match(a.scaler.backoff_factor, b.scaler.backoff_factor, "ScalerConfig.backoff_factor", scaler_why);
-  must_match(a.scaler.growth_interval, b.scaler.growth_interval, "ScalerConfig.growth_interval", scaler_why);
-  must_match(a.scaler.hysteresis, b.scaler.hysteresis, "ScalerConfig.hysteresis", scaler_why);
-  must_match(a.scaler.consecutive_hysteresis, b.scaler.consecutive_hysteresis,
-             "ScalerConfig.consecutive_hysteresis", scaler_why);
-  must_match(a.scaler.min_scale, b.scaler.min_scale, "ScalerConfig.min_scale", scaler_why);
-  must_match(a.scaler.max_scale, b.scaler.max_scale, "ScalerConfig.max_scale", scaler_why);
-  must_match(a.scaler.headroom_growth, b.scaler.headroom_growth, "ScalerConfig.headroom_growth", scaler_why);
-  must_match(a.scaler.headroom_margin_log2, b.scaler.headroom_margin_log2,
-             "ScalerConfig.headroom_margin_log2", scaler_why);
-  const char* spike_why = "the spike statistics follow its rules";
-  must_match(a.spike.enabled, b.spike.enabled, "SpikeConfig.enabled", spike_why);
-  must_match(a.spike.z_threshold, b.spike.z_threshold, "SpikeConfig.z_threshold", spike_why);
-  must_match(a.spike.ema_beta, b.spike.ema_beta, "SpikeConfig.ema_beta", spike_why);
-  must_match(a.spike.warmup_steps, b.spike.warmup_steps, "SpikeConfig.warmup_steps", spike_why);
-  must_match(a.spike.action == SpikeConfig::Action::skip, b.spike.action == SpikeConfig::Action::skip,
-             "SpikeConfig.action is skip", spike_why);
-  must_match(a.spike.min_std, b.spike.min_std, "SpikeConfig.min_std", spike_why);
-  must_match(a.spike.max_consecutive, b.spike.max_consecutive, "SpikeConfig.max_consecutive", spike_why);
+  Matcher everything_else("");
+  visit_config(everything_else, a, b);
   for (std::size_t g = 0; g < a.groups.size(); ++g) {
     const std::string at = detail::concat("groups[", g, "].");
-    const char* why = "the moments and bias correction were built with it";
-    must_match(a.groups[g].beta1, b.groups[g].beta1, at + "beta1", why);
-    must_match(a.groups[g].beta2, b.groups[g].beta2, at + "beta2", why);
-    must_match(a.groups[g].decoupled_weight_decay, b.groups[g].decoupled_weight_decay,
-               at + "decoupled_weight_decay", why);
-    must_match(a.groups[g].bias_correction, b.groups[g].bias_correction, at + "bias_correction", why);
+    Matcher group(at);
+    visit_group(group, a.groups[g], b.groups[g]);
     // The restored learning rate meets this config's weight decay.
     AdamWConfig restored = b.groups[g];
     restored.lr = a.groups[g].lr;
