@@ -19,6 +19,9 @@ APPLIED, SKIPPED_OVERFLOW, SKIPPED_SPIKE, SKIPPED_NONFINITE_UPDATE, SKIPPED_INCO
 TOTALS_SUM_WORDS = 23
 TOTALS_MAX_WORDS = 4
 
+# The structs of halfstep.h, field for field; python/tests/test_abi.py checks them against the
+# header and the C compiler's layout.
+
 
 class Tensor(C.Structure):
     _fields_ = [("master", C.c_void_p), ("grad", C.c_void_p), ("exp_avg", C.c_void_p),
