@@ -120,16 +120,14 @@ void launch_for_grad(DType model_dtype, dim3 grid, const TensorDesc* tensors,
 
 }  // namespace
 
-void launch_apply(DType grad_dtype, DType model_dtype, const TensorDesc* tensors,
-                  const ChunkDesc* chunks, std::int64_t n_chunks, const Decision* decision,
-                  const GroupConsts* consts, StepReport* report, cudaStream_t stream) {
-  if (n_chunks == 0) return;
-  const dim3 grid(static_cast<unsigned>(n_chunks));
-  auto* held = reinterpret_cast<unsigned long long*>(&report->held_elements);
-  if (grad_dtype == DType::bf16) {
-    launch_for_grad<DType::bf16>(model_dtype, grid, tensors, chunks, decision, consts, held, stream);
+void launch_apply(const ApplyArgs& a, cudaStream_t stream) {
+  if (a.n_chunks == 0) return;
+  const dim3 grid(static_cast<unsigned>(a.n_chunks));
+  auto* held = reinterpret_cast<unsigned long long*>(&a.report->held_elements);
+  if (a.grad_dtype == DType::bf16) {
+    launch_for_grad<DType::bf16>(a.model_dtype, grid, a.tensors, a.chunks, a.decision, a.consts, held, stream);
   } else {
-    launch_for_grad<DType::f16>(model_dtype, grid, tensors, chunks, decision, consts, held, stream);
+    launch_for_grad<DType::f16>(a.model_dtype, grid, a.tensors, a.chunks, a.decision, a.consts, held, stream);
   }
   HALFSTEP_CUDA_CHECK(cudaGetLastError());
 }

@@ -81,7 +81,7 @@ __device__ void decide_step(const FinalizeArgs& a) {
   if (threadIdx.x == 0) {
     const StepTotals r = *a.totals;
     const Totals t = decode_totals(r, a.bf16 != 0);
-    DeviceState state = *a.state;
+    OptimizerState state = *a.state;
     StepReport report{};
     Decision decision{};
     decide(t, state, a.decide, a.params, a.lr, a.n_groups, report, decision);

@@ -42,7 +42,7 @@ struct FinalizeArgs {
   std::int64_t numel;              // elements of the tensors in the norm, on this rank
   std::int32_t rank;               // this rank in the record's first-inf/NaN key
   std::uint8_t bf16;               // the gradient format is bf16
-  DeviceState* state;
+  OptimizerState* state;
   StepReport* report;
   Decision* decision;
   const GroupParams* params;
@@ -55,11 +55,21 @@ struct FinalizeArgs {
 /// Finalize: one block runs the `stages` (FinalizeStage bits) asked for.
 void launch_finalize(const FinalizeArgs& args, int stages, cudaStream_t stream);
 
+/// Arguments of pass 2.
+struct ApplyArgs {
+  DType grad_dtype;
+  DType model_dtype;
+  const TensorDesc* tensors;
+  const ChunkDesc* chunks;
+  std::int64_t n_chunks;
+  const Decision* decision;   // finalize's verdict
+  const GroupConsts* consts;  // per group, for this step
+  StepReport* report;         // held_elements: elements held back, added to
+};
+
 /// Pass 2: one block per chunk; every block returns at once unless the decision is to apply.
 /// Elements held back because their update was not finite are added to report->held_elements.
-void launch_apply(DType grad_dtype, DType model_dtype, const TensorDesc* tensors,
-                  const ChunkDesc* chunks, std::int64_t n_chunks, const Decision* decision,
-                  const GroupConsts* consts, StepReport* report, cudaStream_t stream);
+void launch_apply(const ApplyArgs& args, cudaStream_t stream);
 
 /// Writes `value` to device memory `where`, ordered on `stream` (the learning rate of a group).
 void launch_store(float* where, float value, cudaStream_t stream);

@@ -180,7 +180,7 @@ HALFSTEP_HD inline SkipReason range_check(double g_max, const GroupParams* group
 /// state. `groups` and `lr` (the learning rates as they are now, in device memory on the device)
 /// hold `n_groups` entries. Every field of `report` is written here (held_elements = 0; pass 2
 /// adds to it).
-HALFSTEP_HD inline void decide(const Totals& totals, DeviceState& state, const DecideParams& p,
+HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, const DecideParams& p,
                                const GroupParams* groups, const float* lr, std::int32_t n_groups,
                                StepReport& report, Decision& decision) {
   const float scale = state.scaler.scale;

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "halfstep/distributed.hpp"
 #include "halfstep/scaler.hpp"
 #include "halfstep/spike.hpp"
 #include "halfstep/step.hpp"
@@ -71,15 +73,6 @@ struct GroupConsts {
   std::uint8_t pad_[3];
 };
 
-/// The optimizer state as it lives on the device. `scaler.scale` is the loss scale the
-/// backward pass reads (FusedAdamW::device_loss_scale).
-struct DeviceState {
-  ScalerState scaler;
-  SpikeState spike;
-  std::int64_t step;
-  std::int64_t attempts;
-};
-
 /// Finalize's verdict, read by every block of pass 2. The factor clip / S that unscales and clips
 /// is pre · coef · post_a · post_b: a mantissa rounded once to fp32 and exact powers of two, so
 /// the factor keeps fp32's full precision even where clip / S itself would be subnormal in fp32
@@ -105,16 +98,14 @@ enum class TotalsFault : std::uint8_t {
   sum_past_bound,        // Σg² exceeds numel · max|g|²
 };
 
-/// The sums over all chunks (and ranks) that the decision needs: a decoded StepTotals.
-struct Totals {
-  double sum_sq = 0.0;                  // Σ g² of the scaled gradient, rounded once
-  float max_abs = 0.0f;                 // of the finite scaled gradients
-  std::int64_t nonfinite = 0, subnormal = 0, zero = 0, numel = 0;
-  std::int32_t first_nonfinite_tensor = -1;
-  std::int32_t first_nonfinite_rank = -1;
-  TotalsFault fault = TotalsFault::none;  // the rule the record breaks
-  bool hyperparameters_agree = true;      // every rank's hyperparameter fingerprint was the same
+/// The sums over all chunks (and ranks) that the decision needs: a decoded StepTotals (what
+/// summarize() returns), and the rule the record breaks, if any.
+struct Totals : TotalsSummary {
+  TotalsFault fault = TotalsFault::none;
 };
+
+/// The device holds the optimizer state as its bytes.
+static_assert(std::is_trivially_copyable<OptimizerState>::value, "OptimizerState is copied as bytes");
 
 /// Everything the decision reads besides the totals and the state.
 struct DecideParams {
@@ -124,24 +115,6 @@ struct DecideParams {
   float grad_format_max;  // largest finite value of the gradient format
   bool device_scaler;     // run the scaler transition here (device-resident mode)
 };
-
-/// The optimizer state as the device holds it, and back.
-inline DeviceState to_device_state(const OptimizerState& s) {
-  DeviceState d{};
-  d.scaler = s.scaler;
-  d.spike = s.spike;
-  d.step = s.step;
-  d.attempts = s.attempts;
-  return d;
-}
-inline OptimizerState to_optimizer_state(const DeviceState& d) {
-  OptimizerState s;
-  s.scaler = d.scaler;
-  s.spike = d.spike;
-  s.step = d.step;
-  s.attempts = d.attempts;
-  return s;
-}
 
 /// The run-constant hyperparameters of a group.
 inline GroupParams group_params(const AdamWConfig& h) {

@@ -63,96 +63,20 @@ class CudaImpl final : public FusedAdamW::Impl {
       : config_(config), tensors_(tensors), dist_(dist) {
     validate(tensors, config_);
     validate_distributed(dist_);
-    int devices = 0;
-    const cudaError_t status = cudaGetDeviceCount(&devices);
-    if (status != cudaSuccess || devices == 0) {
-      (void)cudaGetLastError();
-      throw Error(ErrorKind::cuda, concat("Backend::cuda needs a CUDA device; cudaGetDeviceCount: ",
-                                          status == cudaSuccess ? "no devices"
-                                                                : cudaGetErrorString(status),
-                                          " (Backend::reference runs without one)"));
-    }
-    HALFSTEP_CUDA_CHECK(cudaGetDevice(&device_));
-    for (std::size_t c = 0; c < dist_.comms.size(); ++c) check_communicator(dist_.comms[c], c, device_);
-    for (std::size_t t = 0; t < tensors.size(); ++t) {
-      const ParamTensor& p = tensors[t];
-      require_device_buffer(p.master, p.numel, t, "master", device_);
-      require_device_buffer(p.grad, p.numel, t, "grad", device_);
-      require_device_buffer(p.exp_avg, p.numel, t, "exp_avg", device_);
-      require_device_buffer(p.exp_avg_sq, p.numel, t, "exp_avg_sq", device_);
-      require_device_buffer(p.model, p.numel, t, "model", device_);
-    }
+    check_device();
     if (config_.host_driven) scaler_ = DynamicLossScaler(config_.scaler);
-
     const TensorTable table = build_tensor_table(tensors);
     n_tensors_ = table.tensors.size();
     n_chunks_ = static_cast<std::int64_t>(table.chunks.size());
     chunks_ = table.chunks;
-    const std::size_t n_groups = config_.groups.size();
-
-    // One device allocation for everything the step reads and writes besides the tensors.
-    const WorkspaceLayout layout = WorkspaceLayout::make(n_tensors_, table.chunks.size(), n_groups);
-    HALFSTEP_CUDA_CHECK(cudaMalloc(&workspace_.ptr, layout.bytes));
-    HALFSTEP_CUDA_CHECK(cudaMemset(workspace_.ptr, 0, layout.bytes));
-    auto* base = static_cast<unsigned char*>(workspace_.ptr);
-    d_tensors_ = reinterpret_cast<TensorDesc*>(base + layout.tensors);
-    d_chunks_ = reinterpret_cast<ChunkDesc*>(base + layout.chunks);
-    d_partials_ = reinterpret_cast<ChunkPartial*>(base + layout.partials);
-    d_state_ = reinterpret_cast<DeviceState*>(base + layout.state);
-    d_report_ = reinterpret_cast<StepReport*>(base + layout.report);
-    d_decision_ = reinterpret_cast<Decision*>(base + layout.decision);
-    d_params_ = reinterpret_cast<GroupParams*>(base + layout.params);
-    d_lr_ = reinterpret_cast<float*>(base + layout.lr);
-    d_consts_ = reinterpret_cast<GroupConsts*>(base + layout.consts);
-    d_totals_ = reinterpret_cast<StepTotals*>(base + layout.totals);
-    d_window_hint_ = reinterpret_cast<std::uint32_t*>(base + layout.window_hint);
-    d_spill_ = reinterpret_cast<unsigned long long*>(base + layout.spill);
-
-    std::vector<GroupParams> params(n_groups);
-    std::vector<float> lr(n_groups);
-    for (std::size_t g = 0; g < n_groups; ++g) {
-      params[g] = group_params(config_.groups[g]);
-      lr[g] = config_.groups[g].lr;
-    }
-    upload(d_tensors_, table.tensors.data(), n_tensors_);
-    upload(d_chunks_, table.chunks.data(), table.chunks.size());
-    upload(d_params_, params.data(), n_groups);
-    upload(d_lr_, lr.data(), n_groups);
-    write_state(OptimizerState::initial(config_));
-    // bf16's first window: gradients near the initial loss scale (any value is correct).
-    const std::uint32_t hint = to_bits16(DType::bf16, config_.scaler.init_scale) & 0x7FFFu;
-    upload(d_window_hint_, &hint, 1);
-
+    make_workspace(table);
+    bind_kernel_args(table.numel_in_norm);
     HALFSTEP_CUDA_CHECK(cudaMallocHost(&pinned_.ptr, sizeof(StepReport) + sizeof(ScalerState)));
     // attempt = 0 marks "no step has run": every step's report has attempt >= 1.
     std::memset(pinned_.ptr, 0, sizeof(StepReport) + sizeof(ScalerState));
     h_report_ = static_cast<StepReport*>(pinned_.ptr);
-    h_scaler_ = reinterpret_cast<ScalerState*>(static_cast<unsigned char*>(pinned_.ptr) +
-                                               sizeof(StepReport));
+    h_scaler_ = static_cast<ScalerState*>(static_cast<void*>(h_report_ + 1));
     HALFSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&done_.event, cudaEventDisableTiming));
-
-    pass1_.tensors = d_tensors_;
-    pass1_.chunks = d_chunks_;
-    pass1_.partials = d_partials_;
-    pass1_.window_hint = d_window_hint_;
-    pass1_.spill = d_spill_;
-    finalize_.partials = d_partials_;
-    finalize_.chunks = d_chunks_;
-    finalize_.n_chunks = n_chunks_;
-    finalize_.window_hint = d_window_hint_;
-    finalize_.spill = d_spill_;
-    finalize_.totals = d_totals_;
-    finalize_.numel = table.numel_in_norm;
-    finalize_.rank = dist_.rank;
-    finalize_.bf16 = config_.grad_dtype == DType::bf16 ? 1 : 0;
-    finalize_.state = d_state_;
-    finalize_.report = d_report_;
-    finalize_.decision = d_decision_;
-    finalize_.params = d_params_;
-    finalize_.lr = d_lr_;
-    finalize_.consts = d_consts_;
-    finalize_.n_groups = static_cast<std::int32_t>(n_groups);
-    finalize_.decide = decide_params(config_);
     settle_uploads();
   }
 
@@ -163,7 +87,7 @@ class CudaImpl final : public FusedAdamW::Impl {
       launch_finalize(finalize_, kReduceStage | kDecideStage, stream);
     } else {
       launch_finalize(finalize_, kReduceStage, stream);
-      allreduce_totals(d_totals_, dist_.comms, stream);
+      allreduce_totals(ws_.totals, dist_.comms, stream);
       launch_finalize(finalize_, kDecideStage, stream);
     }
     end_step(stream, capturing);
@@ -186,7 +110,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     end_step(stream, capturing);
   }
 
-  StepTotals* device_totals() override { return d_totals_; }
+  StepTotals* device_totals() override { return ws_.totals; }
 
   // The report of the last step that ran (eager, or a replay of a captured step), after pass 2.
   StepReport last_report() override {
@@ -203,7 +127,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     require_executed_step("nonfinite_counts");
     std::vector<ChunkPartial> partials(static_cast<std::size_t>(n_chunks_));
     if (n_chunks_ > 0) {
-      HALFSTEP_CUDA_CHECK(cudaMemcpy(partials.data(), d_partials_,
+      HALFSTEP_CUDA_CHECK(cudaMemcpy(partials.data(), ws_.partials,
                                      partials.size() * sizeof(ChunkPartial),
                                      cudaMemcpyDeviceToHost));
     }
@@ -214,29 +138,29 @@ class CudaImpl final : public FusedAdamW::Impl {
 
   void set_lr(std::int32_t group, float lr, Stream stream) override {
     check_lr(config_, group, lr);
-    launch_store(d_lr_ + group, lr, stream);
+    launch_store(ws_.lr + group, lr, stream);
     config_.groups[static_cast<std::size_t>(group)].lr = lr;
   }
 
   float* device_lr(std::int32_t group) override {
     check_group(config_, group);
-    return d_lr_ + group;
+    return ws_.lr + group;
   }
 
-  const float* device_loss_scale() const override { return &d_state_->scaler.scale; }
-  const std::int64_t* device_step_count() const override { return &d_state_->step; }
+  const float* device_loss_scale() const override { return &ws_.state->scaler.scale; }
+  const std::int64_t* device_step_count() const override { return &ws_.state->step; }
 
   OptimizerState state() override {
     wait_last_step();
-    DeviceState d{};
-    HALFSTEP_CUDA_CHECK(cudaMemcpy(&d, d_state_, sizeof(d), cudaMemcpyDeviceToHost));
-    return to_optimizer_state(d);
+    OptimizerState s;
+    HALFSTEP_CUDA_CHECK(cudaMemcpy(&s, ws_.state, sizeof(s), cudaMemcpyDeviceToHost));
+    return s;
   }
 
   std::vector<float> learning_rates() override {
     wait_last_step();
     std::vector<float> lr(config_.groups.size());
-    HALFSTEP_CUDA_CHECK(cudaMemcpy(lr.data(), d_lr_, lr.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    HALFSTEP_CUDA_CHECK(cudaMemcpy(lr.data(), ws_.lr, lr.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return lr;
   }
 
@@ -244,7 +168,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     if (config_.host_driven) scaler_.set_state(s.scaler);  // validated already: cannot throw here
     wait_last_step();
     write_state(s);
-    upload(d_lr_, lr.data(), lr.size());
+    upload(ws_.lr, lr.data(), lr.size());
     settle_uploads();
     for (std::size_t g = 0; g < lr.size(); ++g) config_.groups[g].lr = lr[g];
     attempts_ = s.attempts;
@@ -253,7 +177,9 @@ class CudaImpl final : public FusedAdamW::Impl {
   const StepConfig& config() const override { return config_; }
   const std::vector<ParamTensor>& tensors() const override { return tensors_; }
   std::int64_t chunk_count() const override { return n_chunks_; }
-  int launches_per_step() const override { return n_chunks_ > 0 ? 3 : 1; }
+  // The step's plan: pass 1 and pass 2 where there are chunks, finalize once (or on both sides of
+  // the all-reduce). The GPU suite counts the launches a step makes against it.
+  int launches_per_step() const override { return (n_chunks_ > 0 ? 2 : 0) + (dist_.comms.empty() ? 1 : 2); }
 
   void enqueue_pass(int pass, Stream stream) override {
     switch (pass) {
@@ -264,14 +190,72 @@ class CudaImpl final : public FusedAdamW::Impl {
         launch_finalize(finalize_, kReduceStage | kDecideStage, stream);
         return;
       case kApply:
-        launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
-                     d_decision_, d_consts_, d_report_, stream);
+        launch_apply(apply_, stream);
         return;
     }
     throw Error(ErrorKind::invalid_argument, concat("enqueue_pass: no pass ", pass));
   }
 
  private:
+  // A device, the caller's communicators on it, and every buffer device memory on it.
+  void check_device() {
+    int devices = 0;
+    const cudaError_t status = cudaGetDeviceCount(&devices);
+    if (status != cudaSuccess || devices == 0) {
+      (void)cudaGetLastError();
+      throw Error(ErrorKind::cuda, concat("Backend::cuda needs a CUDA device; cudaGetDeviceCount: ",
+                                          status == cudaSuccess ? "no devices"
+                                                                : cudaGetErrorString(status),
+                                          " (Backend::reference runs without one)"));
+    }
+    HALFSTEP_CUDA_CHECK(cudaGetDevice(&device_));
+    for (std::size_t c = 0; c < dist_.comms.size(); ++c) check_communicator(dist_.comms[c], c, device_);
+    for (std::size_t t = 0; t < tensors_.size(); ++t) {
+      const ParamTensor& p = tensors_[t];
+      require_device_buffer(p.master, p.numel, t, "master", device_);
+      require_device_buffer(p.grad, p.numel, t, "grad", device_);
+      require_device_buffer(p.exp_avg, p.numel, t, "exp_avg", device_);
+      require_device_buffer(p.exp_avg_sq, p.numel, t, "exp_avg_sq", device_);
+      require_device_buffer(p.model, p.numel, t, "model", device_);
+    }
+  }
+
+  // One device allocation for everything the step reads and writes besides the tensors, filled:
+  // the tensor table, the groups' hyperparameters and rates, the initial state.
+  void make_workspace(const TensorTable& table) {
+    const std::size_t n_groups = config_.groups.size();
+    const WorkspaceLayout layout = WorkspaceLayout::make(n_tensors_, table.chunks.size(), n_groups);
+    HALFSTEP_CUDA_CHECK(cudaMalloc(&workspace_.ptr, layout.bytes));
+    HALFSTEP_CUDA_CHECK(cudaMemset(workspace_.ptr, 0, layout.bytes));
+    ws_ = Workspace::in(workspace_.ptr, layout);
+    std::vector<GroupParams> params(n_groups);
+    std::vector<float> lr(n_groups);
+    for (std::size_t g = 0; g < n_groups; ++g) {
+      params[g] = group_params(config_.groups[g]);
+      lr[g] = config_.groups[g].lr;
+    }
+    upload(ws_.tensors, table.tensors.data(), n_tensors_);
+    upload(ws_.chunks, table.chunks.data(), table.chunks.size());
+    upload(ws_.params, params.data(), n_groups);
+    upload(ws_.lr, lr.data(), n_groups);
+    write_state(OptimizerState::initial(config_));
+    // bf16's first window: gradients near the initial loss scale (any value is correct).
+    const std::uint32_t hint = to_bits16(DType::bf16, config_.scaler.init_scale) & 0x7FFFu;
+    upload(ws_.window_hint, &hint, 1);
+  }
+
+  // The three passes' arguments, over the workspace.
+  void bind_kernel_args(std::int64_t numel_in_norm) {
+    pass1_ = Pass1Args{ws_.tensors, ws_.chunks, ws_.partials, ws_.window_hint, ws_.spill};
+    finalize_ = FinalizeArgs{ws_.partials, ws_.chunks, n_chunks_, ws_.window_hint, ws_.spill, ws_.totals,
+                             numel_in_norm, dist_.rank,
+                             static_cast<std::uint8_t>(config_.grad_dtype == DType::bf16 ? 1 : 0),
+                             ws_.state, ws_.report, ws_.decision, ws_.params, ws_.lr, ws_.consts,
+                             static_cast<std::int32_t>(config_.groups.size()), decide_params(config_)};
+    apply_ = ApplyArgs{config_.grad_dtype, config_.model_dtype, ws_.tensors, ws_.chunks, n_chunks_,
+                       ws_.decision, ws_.consts, ws_.report};
+  }
+
   template <class T>
   void upload(T* dst, const T* src, std::size_t count) {
     if (count == 0) return;
@@ -316,15 +300,14 @@ class CudaImpl final : public FusedAdamW::Impl {
   // only when the step is applied (host-driven: one synchronisation).
   void end_step(Stream stream, bool capturing) {
     if (!config_.host_driven) {
-      launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
-                   d_decision_, d_consts_, d_report_, stream);
-      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
+      launch_apply(apply_, stream);
+      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, ws_.report, sizeof(StepReport),
                                           cudaMemcpyDeviceToHost, stream));
       record_done(stream, capturing);
       has_step_ = true;
       return;
     }
-    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
+    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, ws_.report, sizeof(StepReport),
                                         cudaMemcpyDeviceToHost, stream));
     record_done(stream, false);
     HALFSTEP_CUDA_CHECK(cudaEventSynchronize(done_.event));
@@ -335,13 +318,12 @@ class CudaImpl final : public FusedAdamW::Impl {
       scaler_.update(report.outcome == Outcome::skipped_overflow, report.headroom_log2);
     }
     *h_scaler_ = scaler_.state();  // the device's copy feeds the next backward pass
-    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(&d_state_->scaler, h_scaler_, sizeof(ScalerState),
+    HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(&ws_.state->scaler, h_scaler_, sizeof(ScalerState),
                                         cudaMemcpyHostToDevice, stream));
     if (report.outcome == Outcome::applied) {
-      launch_apply(config_.grad_dtype, config_.model_dtype, d_tensors_, d_chunks_, n_chunks_,
-                   d_decision_, d_consts_, d_report_, stream);
+      launch_apply(apply_, stream);
       // Pass 2's count of held elements, for last_report (which waits for it).
-      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, d_report_, sizeof(StepReport),
+      HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, ws_.report, sizeof(StepReport),
                                           cudaMemcpyDeviceToHost, stream));
     }
     record_done(stream, false);
@@ -351,8 +333,7 @@ class CudaImpl final : public FusedAdamW::Impl {
   }
 
   void write_state(const OptimizerState& s) {
-    const DeviceState d = to_device_state(s);
-    upload(d_state_, &d, 1);
+    upload(ws_.state, &s, 1);
   }
 
   // Copies from pageable host memory may return before they land, and steps may run on streams
@@ -394,23 +375,13 @@ class CudaImpl final : public FusedAdamW::Impl {
   DeviceMemory workspace_;
   PinnedMemory pinned_;
   Event done_;
-  TensorDesc* d_tensors_ = nullptr;
-  ChunkDesc* d_chunks_ = nullptr;
-  ChunkPartial* d_partials_ = nullptr;
-  DeviceState* d_state_ = nullptr;
-  StepReport* d_report_ = nullptr;
-  Decision* d_decision_ = nullptr;
-  GroupParams* d_params_ = nullptr;
-  float* d_lr_ = nullptr;
-  GroupConsts* d_consts_ = nullptr;
-  StepTotals* d_totals_ = nullptr;
-  std::uint32_t* d_window_hint_ = nullptr;
-  unsigned long long* d_spill_ = nullptr;
+  Workspace ws_{};
   StepReport* h_report_ = nullptr;
   ScalerState* h_scaler_ = nullptr;
   StepReport host_report_{};
   Pass1Args pass1_{};
   FinalizeArgs finalize_{};
+  ApplyArgs apply_{};
   bool has_step_ = false;
   bool local_pending_ = false;  // step_local ran; step_finish has not
   std::int64_t attempts_ = 0;  // the state's attempts plus the eager steps enqueued since (a graph

@@ -74,7 +74,7 @@ WorkspaceLayout WorkspaceLayout::make(std::size_t n_tensors, std::size_t n_chunk
   w.tensors = add(n_tensors, sizeof(TensorDesc), "tensors");
   w.chunks = add(n_chunks, sizeof(ChunkDesc), "chunks");
   w.partials = add(n_chunks, sizeof(ChunkPartial), "chunks");
-  w.state = add(1, sizeof(DeviceState), "states");
+  w.state = add(1, sizeof(OptimizerState), "states");
   w.report = add(1, sizeof(StepReport), "reports");
   w.decision = add(1, sizeof(Decision), "decisions");
   w.params = add(n_groups, sizeof(GroupParams), "groups");
@@ -85,6 +85,25 @@ WorkspaceLayout WorkspaceLayout::make(std::size_t n_tensors, std::size_t n_chunk
   w.spill = add(kSumLimbs, sizeof(std::uint64_t), "limbs");
   w.bytes = at;
   return w;
+}
+
+namespace {
+
+// The piece of the workspace at `offset`: 256-byte aligned, so aligned for any of its types.
+template <class T>
+T* piece(void* base, std::size_t offset) {
+  return static_cast<T*>(static_cast<void*>(static_cast<unsigned char*>(base) + offset));
+}
+
+}  // namespace
+
+Workspace Workspace::in(void* base, const WorkspaceLayout& l) {
+  return Workspace{piece<TensorDesc>(base, l.tensors),       piece<ChunkDesc>(base, l.chunks),
+                   piece<ChunkPartial>(base, l.partials),    piece<OptimizerState>(base, l.state),
+                   piece<StepReport>(base, l.report),        piece<Decision>(base, l.decision),
+                   piece<GroupParams>(base, l.params),       piece<float>(base, l.lr),
+                   piece<GroupConsts>(base, l.consts),       piece<StepTotals>(base, l.totals),
+                   piece<std::uint32_t>(base, l.window_hint), piece<unsigned long long>(base, l.spill)};
 }
 
 std::vector<std::int64_t> per_tensor_counts(const std::vector<ChunkDesc>& chunks,

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "halfstep/distributed.hpp"
 #include "halfstep/step.hpp"
 #include "step_types.hpp"
 
@@ -29,6 +30,25 @@ struct WorkspaceLayout {
   std::size_t tensors, chunks, partials, state, report, decision, params, lr, consts, totals,
       window_hint, spill, bytes;
   static WorkspaceLayout make(std::size_t n_tensors, std::size_t n_chunks, std::size_t n_groups);
+};
+
+/// The step's device workspace: a typed pointer to each piece of its one allocation.
+struct Workspace {
+  TensorDesc* tensors;
+  ChunkDesc* chunks;
+  ChunkPartial* partials;
+  OptimizerState* state;  // scaler.scale: the loss scale the backward pass reads
+  StepReport* report;
+  Decision* decision;
+  GroupParams* params;
+  float* lr;
+  GroupConsts* consts;
+  StepTotals* totals;
+  std::uint32_t* window_hint;
+  unsigned long long* spill;
+
+  /// The pieces of an allocation of layout.bytes at `base`.
+  static Workspace in(void* base, const WorkspaceLayout& layout);
 };
 
 /// Number of chunks a tensor of `numel` >= 0 elements splits into (no overflow at INT64_MAX).

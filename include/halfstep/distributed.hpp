@@ -55,12 +55,12 @@ void combine(StepTotals& into, const StepTotals& other);
 
 /// What a (reduced) record says, decoded.
 struct TotalsSummary {
-  double sum_sq;                        ///< Σg² of the scaled gradients, rounded once to nearest
-  float max_abs;                        ///< largest finite |gradient| as stored (scaled)
-  std::int64_t nonfinite, subnormal, zero, numel;
-  std::int32_t first_nonfinite_rank;    ///< -1 if none
-  std::int32_t first_nonfinite_tensor;  ///< index in that rank's tensor list; -1 if none
-  bool hyperparameters_agree;           ///< every rank reduced stepped with the same hyperparameters
+  double sum_sq = 0.0;                       ///< Σg² of the scaled gradients, rounded once to nearest
+  float max_abs = 0.0f;                      ///< largest finite |gradient| as stored (scaled)
+  std::int64_t nonfinite = 0, subnormal = 0, zero = 0, numel = 0;
+  std::int32_t first_nonfinite_rank = -1;    ///< -1 if none
+  std::int32_t first_nonfinite_tensor = -1;  ///< index in that rank's tensor list; -1 if none
+  bool hyperparameters_agree = true;         ///< every rank reduced stepped with the same hyperparameters
 };
 
 /// Decodes a record of gradients in `grad_dtype` (f16 or bf16). Throws halfstep::Error naming the

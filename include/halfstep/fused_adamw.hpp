@@ -147,10 +147,14 @@ class FusedAdamW {
   /// The backend it runs on.
   Backend backend() const;
 
-  /// Number of chunks in the tensor table (one thread block each per pass).
+  /// Number of chunks in the tensor table (one thread block each per pass); 0 for
+  /// Backend::reference, which has no device passes.
   std::int64_t chunk_count() const;
 
-  /// Kernel launches one step enqueues (device-resident mode).
+  /// halfstep's kernel launches in one device-resident step: pass 1 and pass 2 when there is at
+  /// least one element, and finalize once, or twice (on both sides of the all-reduce) with NCCL
+  /// communicators, whose all-reduce launches kernels of its own. A host-driven step launches
+  /// pass 2 only when it applies. 0 for Backend::reference.
   int launches_per_step() const;
 
   struct Impl;

@@ -12,6 +12,9 @@
 #include <string>
 
 #include "gpu_support.hpp"
+#if defined(HALFSTEP_EMULATED)
+#include "halfstep_emu/control.hpp"
+#endif
 #include "ranks.hpp"
 #include "record_faults.hpp"
 #include "sharded_run.hpp"
@@ -203,6 +206,30 @@ TEST_CASE("gpu a one-rank NCCL communicator steps bitwise like no communicator",
   check_against_one(c, run_ranks_nccl(c, {{0, c.numel()}}, Reduce::communicator), one);
   check_against_one(c, run_ranks_nccl(c, {{0, c.numel()}}, Reduce::caller), one);
 }
+
+#if defined(HALFSTEP_EMULATED)
+TEST_CASE("gpu a step with a communicator launches finalize on both sides of the all-reduce", "[gpu][distributed][nccl]") {
+  // The emulator's NCCL stand-in launches no grid, so its counter sees halfstep's kernels only.
+  const ShardedCase c = ShardedCase::make(1101, DType::bf16, 1, 3000);
+  ncclUniqueId id;
+  must(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  ncclComm_t comm = nullptr;
+  must(ncclCommInitRank(&comm, 1, id, 0), "ncclCommInitRank");
+  {
+    DeviceFlat flat(c.initial);
+    const Shard s = shard(c.layout, 0, c.numel(), flat.view());
+    FusedAdamW opt(s.tensors, c.config, Distributed{0, {comm}});
+    flat.grad.put(c.grads[0]);
+    must(cudaDeviceSynchronize(), "sync");
+    const std::uint64_t before = halfstep_emu::counters().launches;
+    opt.step();
+    must(cudaDeviceSynchronize(), "sync");
+    CHECK(static_cast<int>(halfstep_emu::counters().launches - before) == opt.launches_per_step());
+    CHECK(opt.launches_per_step() == 4);
+  }
+  ncclCommDestroy(comm);
+}
+#endif
 
 TEST_CASE("gpu N ranks over NCCL with sharded state step bitwise like one rank", "[gpu][distributed][nccl][multi_gpu]") {
   const int capacity = rank_capacity();

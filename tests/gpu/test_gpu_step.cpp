@@ -7,12 +7,18 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
+
+#include <unistd.h>
 
 #include "gpu_support.hpp"
 #include "trajectory.hpp"
 #include "halfstep/checkpoint.hpp"
 #include "halfstep/error.hpp"
 #include "halfstep/safetensors.hpp"
+#if defined(HALFSTEP_EMULATED)
+#include "halfstep_emu/control.hpp"
+#endif
 
 using namespace halfstep;
 using namespace halfstep_test;
@@ -477,7 +483,8 @@ TEST_CASE("gpu full checkpoints move between the cuda and reference backends bit
     opt.step();
   }
   const std::vector<std::string> names = {"w", "empty", "b"};
-  const std::string path = "halfstep_gpu_checkpoint.safetensors";
+  // One file per process: the emulated suite runs under several schedules at once, in one directory.
+  const std::string path = "halfstep_gpu_checkpoint." + std::to_string(::getpid()) + ".safetensors";
   save_checkpoint(opt, names, path);
   // Into the reference backend: the device's buffers and state, exactly.
   HostModel host = poisoned_model(27, {3000, 0, 41}, 1.0f, DType::f16, DType::bf16);
@@ -631,4 +638,71 @@ TEST_CASE("gpu one tensor of 2^31 + 7 elements steps correctly at both ends and 
     CHECK(std::fabs(got - want.master[0]) <= bound(probe_grad[k]));
     CHECK(got_model == to_f16_bits(got));
   }
+}
+
+namespace {
+
+// The kernels `step` launches, counted where they run: by the emulated device's grid counter, or
+// on a GPU as the kernel nodes of the step captured in a CUDA graph (device-resident steps only).
+std::int64_t kernels_launched(FusedAdamW& opt, bool capturable) {
+#if defined(HALFSTEP_EMULATED)
+  (void)capturable;
+  GPU_CHECK(cudaDeviceSynchronize());
+  const std::uint64_t before = halfstep_emu::counters().launches;
+  opt.step();
+  GPU_CHECK(cudaDeviceSynchronize());
+  return static_cast<std::int64_t>(halfstep_emu::counters().launches - before);
+#else
+  if (!capturable) {
+    opt.step();
+    return -1;  // a host-driven step waits for the device: it cannot be captured to count
+  }
+  cudaStream_t stream = nullptr;
+  GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  GPU_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  opt.step(stream);
+  GPU_CHECK(cudaStreamEndCapture(stream, &graph));
+  std::size_t n = 0;
+  GPU_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  GPU_CHECK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  std::int64_t kernels = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    GPU_CHECK(cudaGraphNodeGetType(node, &type));
+    kernels += type == cudaGraphNodeTypeKernel ? 1 : 0;
+  }
+  GPU_CHECK(cudaGraphDestroy(graph));
+  GPU_CHECK(cudaStreamDestroy(stream));
+  return kernels;
+#endif
+}
+
+}  // namespace
+
+TEST_CASE("gpu launches_per_step is the number of kernels a step launches", "[gpu]") {
+  HostModel h = poisoned_model(41, {5000, 0, 70000}, 1024.0f, DType::f16, DType::f16);
+  DeviceModel dev(h);
+  const StepConfig c = config_for(DType::f16, DType::f16, 1024.0f, 1.0f);
+  FusedAdamW opt(dev.views(), c);
+  CHECK(kernels_launched(opt, true) == opt.launches_per_step());
+  CHECK(opt.launches_per_step() == 3);  // pass 1, finalize, pass 2
+
+  std::vector<ParamTensor> none(2);
+  FusedAdamW empty(none, StepConfig{});
+  CHECK(kernels_launched(empty, true) == empty.launches_per_step());
+  CHECK(empty.launches_per_step() == 1);  // finalize alone
+
+  // Host-driven: pass 2 only on an applied step.
+  StepConfig host = c;
+  host.host_driven = true;
+  DeviceModel dev2(h);
+  FusedAdamW driven(dev2.views(), host);
+  const std::int64_t applied = kernels_launched(driven, false);
+  if (applied >= 0) CHECK(applied == driven.launches_per_step());
+  h.tensors[2].grad[7] = 0x7C00;  // an overflow: no pass 2
+  dev2.upload_grads(h);
+  const std::int64_t skipped = kernels_launched(driven, false);
+  if (skipped >= 0) CHECK(skipped == driven.launches_per_step() - 1);
 }

@@ -32,7 +32,7 @@ bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 // decide() with the groups and learning rates of `c`, as finalize passes them.
-void decide_for(const Totals& totals, DeviceState& state, const StepConfig& c, StepReport& report,
+void decide_for(const Totals& totals, OptimizerState& state, const StepConfig& c, StepReport& report,
                 Decision& decision, bool device_scaler = true) {
   std::vector<GroupParams> groups;
   std::vector<float> lr;
@@ -65,7 +65,7 @@ TEST_CASE("decide reproduces the reference report and state exactly", "[step_mat
   HostModel m;
   for (std::int64_t n : {33, 0, 200, 5}) m.tensors.push_back(random_tensor(rng, n, DType::f16, DType::f16, 1.0f));
   OptimizerState ref = OptimizerState::initial(c);
-  DeviceState dev = to_device_state(ref);
+  OptimizerState dev = ref;
   int overflows = 0, spikes = 0, applied = 0;
   for (int step = 0; step < 300; ++step) {
     const float sigma = u(rng) < 0.03 ? 1.0f : 0.01f;  // occasional 100x steps: spikes
@@ -118,7 +118,7 @@ TEST_CASE("decide reproduces the reference report and state exactly", "[step_mat
 TEST_CASE("decide in host-driven mode leaves the scaler to the host", "[step_math]") {
   StepConfig c;
   OptimizerState s = OptimizerState::initial(c);
-  DeviceState dev = to_device_state(s);
+  OptimizerState dev = s;
   Totals overflow;
   overflow.nonfinite = 3;
   overflow.first_nonfinite_tensor = 1;
@@ -161,7 +161,7 @@ TEST_CASE("the fp32 element update stays within the derived bound of the referen
     }
     OptimizerState ref = OptimizerState::initial(c);
     ref.step = ref.attempts = static_cast<std::int64_t>(u(rng) * 3000);
-    DeviceState dev = to_device_state(ref);
+    OptimizerState dev = ref;
     HostModel before = m;
     const StepReport r = reference::step(m.views(), c, ref);
     REQUIRE(r.outcome == Outcome::applied);
@@ -215,7 +215,7 @@ TEST_CASE("the fp32 element update is bitwise scale invariant for power-of-two s
     auto& v = s == 1.0f ? v1 : v2;
     ParamTensor view{p.data(), x.data(), m.data(), v.data(), nullptr, 500, 0};
     c.scaler = ScalerConfig::constant(s);
-    DeviceState dev = to_device_state(OptimizerState::initial(c));
+    OptimizerState dev = OptimizerState::initial(c);
     for (int step = 0; step < 20; ++step) {
       StepReport r{};
       Decision d{};
