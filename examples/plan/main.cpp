@@ -3,6 +3,7 @@
 // parameter count answers at once.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -19,14 +20,19 @@ namespace {
 
 const char* kDescription = R"(halfstep-plan: prints the device memory of halfstep's per-parameter buffers — fp32 master
 weights (4 B), fp32 Adam moments (8 B), the 16-bit gradients (2 B), the 16-bit model copy (2 B,
-or none) — and the step's workspace, then how many parameters fit in --memory.)";
+or none) — and the step's workspace, then how many parameters fit in --memory. With --ranks N
+(ZeRO-1 data parallelism) it prints one rank's share: the masters and moments sharded over the
+ranks, the gradients and the model copy whole on every rank.)";
 
 const char* kFooter = R"(
 Activations, the forward and backward passes' workspace and the framework's own buffers are not
 counted. One FusedAdamW step holds at most 2^31 - 1 chunks of 32768 parameters (7.0e13); a larger
-model is sharded across ranks (ZeRO), each planning its own shard.
+model is sharded across ranks (ZeRO, --ranks), each holding its own shard. With --ranks, each holds
+ceil(params / N) parameters' masters and moments (the last ranks fewer) and the gradient and
+model-copy buffers padded to N times that, what the collectives move; the slices its step reads
+and writes are views into them (in-place reduce-scatter and all-gather). ZeRO-2 and ZeRO-3, which
+shard the gradients and the model as well, hold less.
 )";
-
 using Units = std::vector<std::pair<std::string, double>>;
 
 // A positive number with an optional unit suffix; CLI11 transforms the text into the number.
@@ -58,15 +64,23 @@ CLI::Validator amount(const Units& units, const std::string& name) {
       name);
 }
 
-std::string bytes_text(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+// Bytes in binary units up to YiB, and past 1024 YiB (2^90 bytes) as a plain power of ten. In long
+// double: any parameter count answers, and 16 bytes each of 10^308 parameters are past a double.
+std::string bytes_text(long double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
+  constexpr int kLast = 8;
+  long double x = b;
   int u = 0;
-  while (b >= 1024.0 && u < 6) {
-    b /= 1024.0;
+  while (x >= 1024.0L && u < kLast) {
+    x /= 1024.0L;
     ++u;
   }
   char buf[48];
-  std::snprintf(buf, sizeof buf, "%.2f %s", b, units[u]);
+  if (x >= 1024.0L) {
+    std::snprintf(buf, sizeof buf, "%.2Le B", b);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2Lf %s", x, units[u]);
+  }
   return buf;
 }
 
@@ -86,10 +100,34 @@ double workspace(double params, double tensors, double groups) {
                                                        static_cast<std::size_t>(groups)));
 }
 
+// One rank's buffers for a model of `params` parameters in `tensors` tensors of equal size,
+// trained on `ranks` ranks with ZeRO-1 (one rank: the whole model).
+struct RankPlan {
+  double shard = 0;      // parameters whose masters and moments the rank holds: ceil(params / ranks)
+  double padded = 0;     // elements of its gradient and model-copy buffers: ranks · shard >= params
+  double workspace = 0;  // bytes of its step's workspace, or -1 when one step cannot hold the shard
+  long double total = 0;
+};
+
+RankPlan plan_rank(double params, double tensors, double groups, double ranks, double model_bytes) {
+  RankPlan p;
+  p.shard = std::ceil(params / ranks);
+  p.padded = p.shard * ranks;
+  // A shard cut out of the flat parameter space anywhere holds parts of at most this many tensors.
+  const double pieces =
+      ranks == 1 ? tensors : std::min({tensors, p.shard, std::ceil(p.shard / (params / tensors)) + 1});
+  p.workspace = workspace(p.shard, pieces, groups);
+  p.total = 12.0L * p.shard + (2.0L + model_bytes) * p.padded + std::max(p.workspace, 0.0);
+  return p;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  double params = 0, memory = 141.0 * 1024 * 1024 * 1024, tensors = 0, groups = 2;
+  // An H200 has 141 GB (10^9 bytes) of HBM3e on its datasheet; CUDA reports 143156 MiB, 139.8 GiB,
+  // as its total memory (totalGlobalMem; nvidia-smi shows 143771 MiB, counting what the driver
+  // keeps). The default was 141 GiB, 1.2 GiB more than the device has.
+  double params = 0, memory = 143156.0 * 1024 * 1024, tensors = 0, groups = 2, ranks = 1;
   std::string grad = "f16", model = "f16";
   const Units counts = {{"K", 1e3}, {"M", 1e6}, {"B", 1e9}, {"G", 1e9}, {"T", 1e12}};
   const Units sizes = {{"B", 1},         {"KB", 1e3},          {"MB", 1e6},
@@ -106,11 +144,15 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f16", "bf16", "none"}));
   app.add_option("--memory", memory,
                  "device memory: bytes, or with KB MB GB TB (10^3) or KiB MiB GiB TiB (2^10)\n"
-                 "(default 141GiB, an H200)")
+                 "(default 143156MiB, 139.8 GiB: an H200's as CUDA reports it)")
       ->transform(amount(sizes, "SIZE"));
   app.add_option("--tensors", tensors, "parameter tensors, for the workspace (default: one per 4M parameters)")
       ->transform(amount(counts, "N"));
   app.add_option("--groups", groups, "parameter groups (default 2)")->transform(amount(counts, "N"));
+  app.add_option("--ranks", ranks,
+                 "data-parallel ranks, one GPU each, with ZeRO-1: the masters and moments\n"
+                 "sharded, the gradients and model copy on every rank (default 1)")
+      ->transform(amount(counts, "N"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -126,47 +168,60 @@ int main(int argc, char** argv) {
     return fail("--tensors must be a whole number no larger than --params");
   }
   if (groups != std::floor(groups) || groups > 1e6) return fail("--groups must be a whole number up to 10^6");
+  // Ranks are numbered by std::int32_t (halfstep::Distributed), and each must hold a parameter.
+  if (ranks != std::floor(ranks) || ranks > 2147483647.0 || ranks > params) {
+    return fail("--ranks must be a whole number up to 2^31 - 1 and no larger than --params");
+  }
 
   const double model_bytes = model == "none" ? 0.0 : 2.0;
-  const double per_param = 4.0 + 8.0 + 2.0 + model_bytes;
-  const double ws = workspace(params, tensors, groups);
-  const double total = per_param * params + std::max(ws, 0.0);
+  const bool sharded = ranks > 1;
+  const RankPlan mine = plan_rank(params, tensors, groups, ranks, model_bytes);
 
-  std::printf("halfstep-plan: %.4g parameters in %.*g tensors, %s gradients, %s model copy\n\n", params,
+  std::printf("halfstep-plan: %.4g parameters in %.*g tensors, %s gradients, %s model copy", params,
               tensors < 1e9 ? 9 : 4, tensors, grad.c_str(), model == "none" ? "no" : model.c_str());
-  std::printf("  %-26s %11s  %12s\n", "component", "bytes/param", "total");
-  auto row = [&](const char* name, double bpp, double bytes) {
-    std::printf("  %-26s %11.4g  %12s\n", name, bpp, bytes_text(bytes).c_str());
+  if (sharded) std::printf(", ZeRO-1 over %.10g ranks", ranks);
+  std::printf("\n\n  %-34s %11s  %12s\n", "component", "bytes/param", sharded ? "per rank" : "total");
+  // bytes/param: what the rank holds per parameter of the whole model.
+  auto row = [&](const std::string& name, long double bytes) {
+    std::printf("  %-34s %11.4Lg  %12s\n", name.c_str(), bytes / params, bytes_text(bytes).c_str());
   };
-  row("fp32 master weights", 4, 4 * params);
-  row("fp32 Adam moments (m, v)", 8, 8 * params);
-  row((grad + " gradients").c_str(), 2, 2 * params);
-  if (model_bytes > 0) row((model + " model copy").c_str(), 2, 2 * params);
-  if (ws >= 0) {
-    row("step workspace", ws / params, ws);
+  const std::string share = sharded ? ", sharded" : "", whole = sharded ? ", on every rank" : "";
+  row("fp32 master weights" + share, 4.0L * mine.shard);
+  row("fp32 Adam moments (m, v)" + share, 8.0L * mine.shard);
+  row(grad + " gradients" + whole, 2.0L * mine.padded);
+  if (model_bytes > 0) row(model + " model copy" + whole, 2.0L * mine.padded);
+  if (mine.workspace >= 0) {
+    row("step workspace", mine.workspace);
   } else {
-    std::printf("  %-26s %11s  %12s\n", "step workspace", "-", "-");
+    std::printf("  %-34s %11s  %12s\n", "step workspace", "-", "-");
   }
-  row("total", total / params, total);
+  row("total", mine.total);
 
   // The most parameters that fit, by bisection on the same accounting (tensors of the same
-  // average size), within what one step can hold.
+  // average size, the same ranks), within what one step can hold on each rank.
   const double per_tensor = params / tensors;
   const double most_per_step = 2147483647.0 * static_cast<double>(halfstep::chunk_elements());
-  double lo = 0, hi = std::min(memory / per_param, most_per_step) + 1;
+  double lo = 0, hi = std::min(memory / (12.0 / ranks + 2.0 + model_bytes), most_per_step * ranks) + 1;
   for (int i = 0; i < 200 && hi - lo > 0.5; ++i) {
     const double mid = std::floor((lo + hi) / 2);
-    const double t = std::max(1.0, std::ceil(mid / per_tensor));
-    const double w = workspace(mid, t, groups);
-    (mid > 0 && w >= 0 && per_param * mid + w <= memory ? lo : hi) = mid;
+    const RankPlan p = plan_rank(mid, std::max(1.0, std::ceil(mid / per_tensor)), groups, std::min(ranks, mid),
+                                 model_bytes);
+    (mid > 0 && p.workspace >= 0 && p.total <= memory ? lo : hi) = mid;
   }
-  if (ws < 0) {
-    std::printf("\n  one step holds at most 2^31 - 1 chunks of %lld parameters (%.4g): this does NOT fit one\n"
-                "  FusedAdamW; shard it across ranks\n",
-                static_cast<long long>(halfstep::chunk_elements()), most_per_step);
+  if (mine.workspace < 0) {
+    std::printf("\n  one step holds at most 2^31 - 1 chunks of %lld parameters (%.4g): %s\n",
+                static_cast<long long>(halfstep::chunk_elements()), most_per_step,
+                sharded ? "a rank's shard does\n  NOT fit one FusedAdamW; shard it across more ranks"
+                        : "this does NOT fit one\n  FusedAdamW; shard it across ranks");
   }
-  std::printf("\n  in %s: %s; at most %.4g parameters fit\n", bytes_text(memory).c_str(),
-              ws >= 0 && total <= memory ? "fits" : "does NOT fit", lo);
+  const bool fits = mine.workspace >= 0 && mine.total <= memory;
+  if (sharded) {
+    std::printf("\n  in %s per GPU: %s; at most %.4g parameters fit on %.10g GPUs (a shard of %.4g on each)\n",
+                bytes_text(memory).c_str(), fits ? "fits" : "does NOT fit", lo, ranks, std::ceil(lo / ranks));
+  } else {
+    std::printf("\n  in %s: %s; at most %.4g parameters fit\n", bytes_text(memory).c_str(),
+                fits ? "fits" : "does NOT fit", lo);
+  }
   std::printf("  (activations, the forward and backward passes' buffers and the framework's own are not counted)\n");
   return 0;
 }
