@@ -101,8 +101,10 @@ HALFSTEP_HD inline double limbs_to_double(const std::uint64_t (&limbs)[kSumLimbs
   // value = (hi·2^64 + mid·2^32 + lo) · 2^(32·(top-2) - 266), hi < 2^63
   int lead = 63;
   while (((hi >> lead) & 1u) == 0) --lead;  // hi > 0
-  // Shift the 64 + lead + 1 bit quantity so its leading bit sits at bit 63 of `word`.
-  const int drop = lead + 1;  // bits of hi above the 64 we keep from mid:lo... see below
+  // hi·2^64 + mid:lo has 64 + lead + 1 significant bits: keep the leading 64 in `word` (hi
+  // shifted up, then the top bits of mid:lo) and fold the `drop` lowest bits of mid:lo into the
+  // sticky bit.
+  const int drop = lead + 1;
   const std::uint64_t midlo = (mid << 32) | lo;
   std::uint64_t word;
   if (drop == 64) {
@@ -134,8 +136,6 @@ HALFSTEP_HD inline double limbs_to_double(const std::uint64_t (&limbs)[kSumLimbs
 /// (39 binades below it, 8 above). A square outside them (a value further from the largest, a
 /// subnormal) is added to the block's limbs directly: slower, as exact.
 inline constexpr int kMaxPerThread = 128;
-inline constexpr unsigned kF16Cut1 = 0x3800u;  // 2^-1
-inline constexpr unsigned kF16Cut2 = 0x6C00u;  // 2^12
 
 /// The bf16 window's bottom exponent field, from the 16-bit magnitude pattern of a recent largest
 /// gradient (any value works: the window only decides which squares take the slower path).

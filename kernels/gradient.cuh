@@ -17,7 +17,6 @@ struct Format16;
 
 template <>
 struct Format16<DType::f16> {
-  static constexpr unsigned kExpShift = 10, kExpMask = 0x1Fu, kFracMask = 0x3FFu;
   /// The exponent field in place, and its lowest bit.
   static constexpr unsigned kExpBits = 0x7C00u, kExpLsb = 0x0400u;
   __device__ static float to_float(std::uint16_t bits) {
@@ -31,7 +30,6 @@ struct Format16<DType::f16> {
 
 template <>
 struct Format16<DType::bf16> {
-  static constexpr unsigned kExpShift = 7, kExpMask = 0xFFu, kFracMask = 0x7Fu;
   /// The exponent field in place, and its lowest bit.
   static constexpr unsigned kExpBits = 0x7F80u, kExpLsb = 0x0080u;
   __device__ static float to_float(std::uint16_t bits) {

@@ -1,4 +1,4 @@
-// Internal: the plain data shared by the host orchestration (src/fused_adamw.cpp) and the
+// Internal: the plain data shared by the host orchestration (src/cuda_step.cpp) and the
 // kernels. Built once at setup in device memory; the kernels receive pointers to it.
 #pragma once
 

@@ -3,7 +3,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
-#include <utility>
 
 #include "check.hpp"
 #include "cuda_check.hpp"
@@ -194,6 +193,19 @@ class CudaImpl final : public FusedAdamW::Impl {
         return;
     }
     throw Error(ErrorKind::invalid_argument, concat("enqueue_pass: no pass ", pass));
+  }
+
+  void copy_out(void* host, const void* buffer, std::size_t bytes) override {
+    if (bytes == 0) return;
+    wait_last_step();
+    HALFSTEP_CUDA_CHECK(cudaMemcpy(host, buffer, bytes, cudaMemcpyDeviceToHost));
+  }
+
+  void copy_in(void* buffer, const void* host, std::size_t bytes) override {
+    if (bytes == 0) return;
+    wait_last_step();
+    HALFSTEP_CUDA_CHECK(cudaMemcpy(buffer, host, bytes, cudaMemcpyHostToDevice));
+    settle_uploads();
   }
 
  private:

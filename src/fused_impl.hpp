@@ -1,6 +1,7 @@
 // Internal: the two backends behind FusedAdamW.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <vector>
 
@@ -31,6 +32,12 @@ struct FusedAdamW::Impl {
   virtual int launches_per_step() const = 0;
   /// Enqueues one pass of a device-resident step alone (Backend::cuda only; for benchmarks).
   virtual void enqueue_pass(int pass, Stream stream) = 0;
+  /// Copies `bytes` of one of the optimizer's buffers (device memory for Backend::cuda) into host
+  /// memory, after the last step has written it.
+  virtual void copy_out(void* host, const void* buffer, std::size_t bytes) = 0;
+  /// Copies host memory into one of the optimizer's buffers; a step enqueued afterwards, on any
+  /// stream, reads the new values.
+  virtual void copy_in(void* buffer, const void* host, std::size_t bytes) = 0;
 };
 
 namespace detail {
@@ -38,9 +45,9 @@ namespace detail {
 /// The passes of a step, for timing them one by one.
 enum Pass : int { kCheckAndNorm = 0, kFinalize = 1, kApply = 2 };
 
-/// Reaches a FusedAdamW's backend (benchmarks only).
+/// Reaches a FusedAdamW's backend (the benchmark's passes, the checkpoint's buffer copies).
 struct FusedAccess {
-  static FusedAdamW::Impl& impl(FusedAdamW& f) { return *f.impl_; }
+  static FusedAdamW::Impl& impl(FusedAdamW& f) { return f.impl(); }  // throws if moved from
 };
 
 std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTensor>& tensors,

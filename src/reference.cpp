@@ -98,7 +98,8 @@ std::int64_t apply_tensor(const ParamTensor& p, const StepConfig& config, double
 // An unsigned integer in base 2^32, least significant digit first.
 using Digits = std::vector<std::uint32_t>;
 
-// Carries 64-bit words into base-2^32 digits (one more digit than words, for the last carry).
+// Carries 64-bit words into base-2^32 digits (two more digits than words: the last carry can
+// reach 2^33).
 Digits carry_digits(const std::uint64_t* words, std::size_t n) {
   Digits d(n + 2, 0);
   std::uint64_t carry = 0;  // below 2^32 + 2^32: adding a word below 2^64 could wrap, so split

@@ -1,11 +1,10 @@
 // Full checkpoints in the safetensors format: an 8-byte little-endian header length, a JSON
 // header naming each tensor's dtype, shape and byte range, then the tensors' bytes back to back.
-// Buffers of Backend::cuda are copied through the host one tensor at a time. A checkpoint is
+// Buffers are copied through the host one tensor at a time, by the backend (FusedAdamW::Impl). A checkpoint is
 // input: the header is checked by safetensors_header.cpp, and every value here, all before the
 // first byte of the optimizer is written.
 #include "halfstep/safetensors.hpp"
 
-#include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -20,7 +19,7 @@
 #include <set>
 
 #include "check.hpp"
-#include "cuda_check.hpp"
+#include "fused_impl.hpp"
 #include "halfstep/checkpoint.hpp"
 #include "halfstep/version.hpp"
 #include "safetensors_header.hpp"
@@ -102,24 +101,6 @@ std::vector<Part> parts_of(const FusedAdamW& opt, const std::vector<std::string>
     }
   }
   return parts;
-}
-
-void copy_out(const FusedAdamW& opt, void* dst, const void* src, std::size_t bytes) {
-  if (bytes == 0) return;
-  if (opt.backend() == Backend::cuda) {
-    HALFSTEP_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
-  } else {
-    std::memcpy(dst, src, bytes);
-  }
-}
-
-void copy_in(const FusedAdamW& opt, void* dst, const void* src, std::size_t bytes) {
-  if (bytes == 0) return;
-  if (opt.backend() == Backend::cuda) {
-    HALFSTEP_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-  } else {
-    std::memcpy(dst, src, bytes);
-  }
 }
 
 // Why part p's values (its bytes, in host memory) cannot be in a checkpoint, or "" if they can.
@@ -293,7 +274,7 @@ void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, con
   std::vector<char> buffer;
   for (const Part& p : parts) {
     buffer.resize(p.bytes);
-    copy_out(opt, buffer.data(), p.data, p.bytes);
+    detail::FusedAccess::impl(opt).copy_out(buffer.data(), p.data, p.bytes);
     // A checkpoint that could not be loaded is never written.
     const std::string bad = bad_value(p, buffer.data(), opt.config().model_dtype);
     if (!bad.empty()) {
@@ -384,12 +365,8 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
   }
 
   // Then write: buffers and the state.
-  for (std::size_t k = 0; k < parts.size(); ++k) copy_in(opt, parts[k].data, values[k].data(), parts[k].bytes);
-  if (opt.backend() == Backend::cuda) {
-    // Copies from pageable memory may land after cudaMemcpy returns, and steps on non-blocking
-    // streams do not wait for the legacy stream they used: wait for them here.
-    HALFSTEP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
-  }
+  FusedAdamW::Impl& backend = detail::FusedAccess::impl(opt);
+  for (std::size_t k = 0; k < parts.size(); ++k) backend.copy_in(parts[k].data, values[k].data(), parts[k].bytes);
   opt.load_state(h.state);
   return h.metadata;
 }

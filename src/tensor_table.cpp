@@ -20,16 +20,14 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
           "at most 2^31 - 1 tensors, got ", tensors.size());
   // Count first, so a table too large for one launch is refused before anything is allocated.
   std::uint64_t n_chunks = 0;
-  std::int64_t numel = 0, numel_in_norm = 0;
+  std::int64_t numel_in_norm = 0;
   for (const ParamTensor& p : tensors) {
     n_chunks += static_cast<std::uint64_t>(chunks_of(p.numel));  // each < 2^49: no overflow
     require(n_chunks <= kMaxChunks, "the tensors need more than ", kMaxChunks, " chunks of ",
             kChunkElems, " elements (one launch's grid)");
-    numel += p.numel;  // < 2^31 chunks of 2^15 elements: no overflow
-    if (p.in_norm) numel_in_norm += p.numel;
+    if (p.in_norm) numel_in_norm += p.numel;  // < 2^31 chunks of 2^15 elements: no overflow
   }
   TensorTable table;
-  table.numel = numel;
   table.numel_in_norm = numel_in_norm;
   table.tensors.reserve(tensors.size());
   table.chunks.reserve(static_cast<std::size_t>(n_chunks));

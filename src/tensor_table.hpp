@@ -14,7 +14,6 @@ namespace halfstep::detail {
 struct TensorTable {
   std::vector<TensorDesc> tensors;  // one row per ParamTensor, in order
   std::vector<ChunkDesc> chunks;    // every element of every tensor in exactly one chunk
-  std::int64_t numel = 0;           // elements over all tensors
   std::int64_t numel_in_norm = 0;   // elements of the tensors in the norm (ParamTensor::in_norm)
 };
 

@@ -345,7 +345,7 @@ TEST_CASE("the tensor table covers every element once in tensor order", "[step_m
   }
   const TensorTable table = build_tensor_table(ts);
   REQUIRE(table.tensors.size() == sizes.size());
-  CHECK(table.numel == 0 + 1 + (C - 1) + C + (C + 1) + 3 * C + 7);
+  CHECK(table.numel_in_norm == 0 + 1 + (C - 1) + C + (C + 1) + 3 * C + 7);
   std::vector<std::int64_t> covered(sizes.size(), 0);
   std::int32_t last_tensor = -1;
   std::int64_t next_begin = 0;

@@ -1,0 +1,111 @@
+// The reference backend of FusedAdamW: the CPU reference step (src/reference.cpp) over host
+// buffers, so one training loop runs with or without a GPU, and the split step of a multi-rank
+// run whose record the caller reduces.
+#include <cstring>
+
+#include "check.hpp"
+#include "distributed_impl.hpp"
+#include "fused_impl.hpp"
+#include "halfstep/checkpoint.hpp"
+#include "reference_impl.hpp"
+
+namespace halfstep::detail {
+namespace {
+
+// Runs the reference step on host buffers: one training loop works with or without a GPU. The
+// tensors and config are validated once, here; each step reads the learning rates as they are
+// (device_lr may have changed them) and skips a step whose learning rate is invalid.
+class ReferenceImpl final : public FusedAdamW::Impl {
+ public:
+  ReferenceImpl(const std::vector<ParamTensor>& tensors, const StepConfig& config, const Distributed& dist)
+      : tensors_(tensors), config_(config), rank_(dist.rank), state_(OptimizerState::initial(config)) {
+    validate(tensors_, config_);
+    validate_distributed(dist);
+    require(dist.comms.empty(), "Backend::reference takes no NCCL communicators (Distributed.comms has ",
+            dist.comms.size(), "): reduce its totals between step_local and step_finish");
+  }
+  void step(Stream stream) override {
+    step_local(stream);
+    step_finish(stream);
+  }
+  void step_local(Stream) override {
+    if (local_pending_) {
+      throw Error(ErrorKind::usage, "step_local: step_local has run; step_finish must end that step first");
+    }
+    if (state_.attempts >= kCounterLimit) {
+      throw Error(ErrorKind::usage, concat("step: this optimizer has attempted ", kCounterLimit,
+                                           " steps (kCounterLimit); its counters are full"));
+    }
+    totals_ = reference_measure(tensors_, config_, rank_, &nonfinite_);
+    local_pending_ = true;
+  }
+  void step_finish(Stream) override {
+    if (!local_pending_) {
+      throw Error(ErrorKind::usage, "step_finish: no step_local since the last step finished");
+    }
+    local_pending_ = false;
+    report_ = reference_finish(tensors_, config_, state_, totals_);
+    has_report_ = true;
+  }
+  StepTotals* device_totals() override { return &totals_; }
+  StepReport last_report() override {
+    require_step("last_report");
+    return report_;
+  }
+  std::vector<std::int64_t> nonfinite_counts() override {
+    require_step("nonfinite_counts");
+    return nonfinite_;
+  }
+  void set_lr(std::int32_t group, float lr, Stream) override {
+    check_lr(config_, group, lr);
+    config_.groups[static_cast<std::size_t>(group)].lr = lr;
+  }
+  float* device_lr(std::int32_t group) override {
+    check_group(config_, group);
+    return &config_.groups[static_cast<std::size_t>(group)].lr;
+  }
+  const float* device_loss_scale() const override { return &state_.scaler.scale; }
+  const std::int64_t* device_step_count() const override { return &state_.step; }
+  OptimizerState state() override { return state_; }
+  std::vector<float> learning_rates() override {
+    std::vector<float> lr;
+    for (const AdamWConfig& h : config_.groups) lr.push_back(h.lr);
+    return lr;
+  }
+  void restore(const OptimizerState& state, const std::vector<float>& lr) override {
+    state_ = state;
+    for (std::size_t g = 0; g < lr.size(); ++g) config_.groups[g].lr = lr[g];
+  }
+  const StepConfig& config() const override { return config_; }
+  const std::vector<ParamTensor>& tensors() const override { return tensors_; }
+  std::int64_t chunk_count() const override { return 0; }
+  int launches_per_step() const override { return 0; }
+  void copy_out(void* host, const void* buffer, std::size_t bytes) override { std::memcpy(host, buffer, bytes); }
+  void copy_in(void* buffer, const void* host, std::size_t bytes) override { std::memcpy(buffer, host, bytes); }
+  void enqueue_pass(int, Stream) override {
+    throw Error(ErrorKind::usage, "enqueue_pass: the reference backend has no device passes");
+  }
+
+ private:
+  void require_step(const char* what) const {
+    if (!has_report_) throw Error(ErrorKind::usage, concat(what, ": no step has run yet"));
+  }
+  std::vector<ParamTensor> tensors_;
+  StepConfig config_;
+  std::int32_t rank_;
+  OptimizerState state_;
+  StepReport report_{};
+  StepTotals totals_{};
+  std::vector<std::int64_t> nonfinite_;
+  bool has_report_ = false;
+  bool local_pending_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTensor>& tensors,
+                                                      const StepConfig& config, const Distributed& dist) {
+  return std::make_unique<ReferenceImpl>(tensors, config, dist);
+}
+
+}  // namespace halfstep::detail
