@@ -9,9 +9,10 @@ addresses. `halfstep.torch.FusedAdamW` is the torch.optim optimizer built on it 
 import ctypes as _C
 import math as _math
 
-from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE,
-                   SKIPPED_OVERFLOW, SKIPPED_SPIKE, TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group,
-                   HalfstepError, Report, State, Tensor, check, lib, library_path)
+from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID_ARGUMENT, ERROR_USAGE, F16,
+                   SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE, SKIPPED_OVERFLOW, SKIPPED_SPIKE,
+                   TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group, HalfstepError, Report, State, Tensor,
+                   check, lib, library_path)
 
 __all__ = ["Optimizer", "HalfstepError", "version", "has_nccl", "config", "group", "report_dict", "SCALER_OPTIONS",
            "SPIKE_OPTIONS", "F16", "BF16", "BACKEND_CUDA", "BACKEND_REFERENCE", "TOTALS_SUM_WORDS",
@@ -173,7 +174,7 @@ class Optimizer:
     @property
     def handle(self):
         if not self._handle:
-            raise HalfstepError(4, "this optimizer was closed")
+            raise HalfstepError(ERROR_USAGE, "this optimizer was closed")
         return self._handle
 
     def step(self, stream=0):
@@ -190,7 +191,7 @@ class Optimizer:
         TOTALS_MAX_WORDS with MAX (uint64)."""
         p = lib.halfstep_device_totals(self.handle)
         if not p:
-            check(4)
+            check(ERROR_USAGE)
         return _C.cast(p, _C.c_void_p).value
 
     def last_report(self):
@@ -214,7 +215,7 @@ class Optimizer:
     def _address(self, fn, *args):
         p = fn(self.handle, *args)
         if not p:
-            raise HalfstepError(1, lib.halfstep_last_error().decode())
+            raise HalfstepError(ERROR_INVALID_ARGUMENT, lib.halfstep_last_error().decode())
         return _C.cast(p, _C.c_void_p).value
 
     def device_lr_address(self, group):

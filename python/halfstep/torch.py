@@ -17,7 +17,6 @@ halfstep's reference backend.
 
 import contextlib as _contextlib
 import ctypes as _C
-import hashlib as _hashlib
 import math as _math
 import numbers as _numbers
 import operator as _operator
@@ -28,18 +27,12 @@ import torch.distributed as _dist
 
 from . import (BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, HalfstepError,
                Optimizer, config, group, version)
-from . import _fp32
+from . import _fp32, _ranks, _sharding
 
 __all__ = ["FusedAdamW"]
 
 _DTYPES = {torch.float16: F16, torch.bfloat16: BF16}
 _SIGN = -(2 ** 63)  # flips an int64's sign bit: unsigned order as signed order
-
-
-def _fingerprint(data):
-    """56 bits of a hash of `data`, for ranks to compare (not a CRC: the library's state ends with
-    its own CRC-32, and a CRC over a message and its CRC is the same for every message)."""
-    return int.from_bytes(_hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
 class _CudaArray:
@@ -141,15 +134,12 @@ class FusedAdamW(torch.optim.Optimizer):
         self._group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
         self._shapes = [tuple(p.shape) for p in params]
 
-        # The flat parameter space (parameters in param-group order) and the range each rank owns:
-        # a ceil(total / world) chunk, cut anywhere, also mid-parameter.
+        # The flat parameter space and the range each rank owns (_sharding).
         numels = [p.numel() for p in params]
         self._offsets = [sum(numels[:i]) for i in range(len(params))]
-        total = sum(numels)
-        self._chunk = -(-total // self._world)
-        # Per rank, what each entry of its halfstep tensor table is: (parameter, offset in it,
-        # length, offset in the rank's chunk, counted in the norm).
-        self._tables = [self._table(numels, r) for r in range(self._world)]
+        self._chunk = _sharding.chunk_size(sum(numels), self._world)
+        self._tables = [_sharding.rank_table(numels, self._world, r, self._pg is not None, self._shard)
+                        for r in range(self._world)]
         self._pieces_of = [[] for _ in params]  # this rank's pieces of each parameter
         for i, off, length, at, _ in self._tables[self._rank]:
             self._pieces_of[i].append((off, length, at))
@@ -207,45 +197,26 @@ class FusedAdamW(torch.optim.Optimizer):
         return ([(p.data_ptr(), p.numel(), p.dtype) for p in self._params],
                 [(g.data_ptr(), g.numel(), g.dtype) for g in self._grads])
 
+    def _collective_device(self):
+        """Where the group's backend reduces: the current CUDA device for NCCL, else the CPU."""
+        if _dist.get_backend(self._pg) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _agree_on_config(self, error, key):
         """Every rank of the group must build the same optimizer: the ranks compare whether each
         built one, and a fingerprint of the parameters' shapes and dtype, the groups, the options
         and the mode; if any rank refused its arguments or any fingerprint differs, every rank
         raises (rather than let collectives hang or mix up data)."""
-        crc = _fingerprint(key) if error is None else 0
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if _dist.get_backend(self._pg) == "nccl" else torch.device("cpu")
-        flags = torch.tensor([0 if error is None else 1, crc, -crc], dtype=torch.int64, device=device)
-        _dist.all_reduce(flags, op=_dist.ReduceOp.MAX, group=self._pg)
-        failed, high, low = flags.tolist()
+        all_ok, same = _ranks.agree(self._pg, self._collective_device(), error is None, key)
         if error is not None:
             raise error
-        if failed:
+        if not all_ok:
             raise ValueError("process_group: another rank refused its arguments to FusedAdamW; no rank built one")
-        if high != crc or -low != crc:
+        if not same:
             raise ValueError("process_group: the ranks built different optimizers (parameter shapes, dtype, "
                              "param groups, hyperparameters, options or shard differ); every rank must build the "
                              "same FusedAdamW")
-
-    def _table(self, numels, rank):
-        begin = min(sum(numels), rank * self._chunk)
-        end = min(sum(numels), begin + self._chunk)
-        out, at = [], 0
-        for i, n in enumerate(numels):
-            lo, hi = max(at, begin), min(at + n, end)
-            if self._pg is None:
-                pieces = [(0, n, True)]
-            elif self._shard:
-                pieces = [(lo - at, hi - lo, True)] if lo < hi else []
-            else:
-                # Every rank holds every parameter; each element counts in the norm on one rank only,
-                # the one whose range holds it (its inf/NaN are seen by all).
-                cut = sorted({0, n, min(max(begin - at, 0), n), min(max(end - at, 0), n)})
-                pieces = [(a, b - a, begin <= at + a < end) for a, b in zip(cut, cut[1:]) if b > a]
-            for off, length, in_norm in pieces:
-                out.append((i, off, length, at + off - begin, in_norm))
-            at += n
-        return out
 
     def _build_state(self, params):
         """The masters and moments (fp32, from the parameters) and the tensor table over them."""
@@ -591,14 +562,12 @@ class FusedAdamW(torch.optim.Optimizer):
         if self._pg is not None:
             # Every rank holds the same library state (scaler, counters, rates): the ranks compare
             # it, so that checkpoints of different steps are not mixed.
-            crc = _fingerprint(blob) if error is None else 0
-            flags = torch.tensor([0 if error is None else 1, crc, -crc], dtype=torch.int64, device=self._device)
-            _dist.all_reduce(flags, op=_dist.ReduceOp.MAX, group=self._pg)
-            failed, high, low = flags.tolist()
-            if error is None and (failed or high != crc or -low != crc):
+            all_ok, same = _ranks.agree(self._pg, self._collective_device(), error is None,
+                                        blob if error is None else b"")
+            if error is None and not (all_ok and same):
                 self._opt.load_state(before)  # keep what this rank had
                 error = ValueError("load_state_dict: " + (
-                    "another rank of the process group refused its state_dict" if failed else
+                    "another rank of the process group refused its state_dict" if not all_ok else
                     "the ranks' state_dicts hold different optimizer states (scaler, counters or rates): they "
                     "were not saved at the same step") + "; no rank loaded anything")
         if error is not None:

@@ -1,0 +1,34 @@
+"""The flat parameter space of a FusedAdamW over a process group: the parameters laid end to end
+(in param-group order) and cut into one range per rank of ceil(total / world) elements, anywhere,
+also mid-parameter."""
+
+
+def chunk_size(total, world):
+    """Elements per rank: ceil(total / world)."""
+    return -(-total // world)
+
+
+def rank_table(numels, world, rank, distributed, shard):
+    """What each entry of rank `rank`'s halfstep tensor table is: (parameter index, offset in the
+    parameter, length, offset in the rank's chunk, counted in the norm). Without a process group
+    (`distributed` false) every parameter is one entry. Sharded (ZeRO-1), a rank's entries are the
+    pieces of its range. Replicated, every rank holds every parameter; each element counts in the
+    norm on one rank only, the one whose range holds it (its inf/NaN are seen by all)."""
+    total = sum(numels)
+    chunk = chunk_size(total, world)
+    begin = min(total, rank * chunk)
+    end = min(total, begin + chunk)
+    out, at = [], 0
+    for i, n in enumerate(numels):
+        lo, hi = max(at, begin), min(at + n, end)
+        if not distributed:
+            pieces = [(0, n, True)]
+        elif shard:
+            pieces = [(lo - at, hi - lo, True)] if lo < hi else []
+        else:
+            cut = sorted({0, n, min(max(begin - at, 0), n), min(max(end - at, 0), n)})
+            pieces = [(a, b - a, begin <= at + a < end) for a, b in zip(cut, cut[1:]) if b > a]
+        for off, length, in_norm in pieces:
+            out.append((i, off, length, at + off - begin, in_norm))
+        at += n
+    return out
