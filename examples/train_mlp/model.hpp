@@ -104,8 +104,8 @@ class Engine {
   virtual void sync() = 0;
 };
 
-/// The CPU engine: OpenBLAS products on fp16-rounded operands with fp32 accumulation, and
-/// halfstep's reference backend.
+/// The CPU engine: products on fp16-rounded operands with fp32 accumulation, summed in a fixed
+/// order whatever the CPU, and halfstep's reference backend.
 std::unique_ptr<Engine> make_cpu_engine(const Dims& dims, const Dataset& data,
                                         const std::vector<std::vector<float>>& masters,
                                         std::int64_t steps);

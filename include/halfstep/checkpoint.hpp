@@ -32,15 +32,15 @@ struct SavedState {
 /// Encodes `state` and `config` (floating-point fields bit-exact, little-endian, CRC-32 protected).
 /// Throws halfstep::Error (invalid_argument) if the config is invalid or the state could not have
 /// come from it: a checkpoint that could not be loaded is never written.
-std::string encode_state(const OptimizerState& state, const StepConfig& config);
+HALFSTEP_API std::string encode_state(const OptimizerState& state, const StepConfig& config);
 
 /// Decodes what encode_state wrote and checks it on its own: truncated or extended input, a wrong
 /// magic, an unknown version, a checksum mismatch, an invalid recorded configuration or a state
 /// that could not have come from it throw halfstep::Error (ErrorKind::corrupt_state).
-SavedState decode_state(std::string_view bytes);
+HALFSTEP_API SavedState decode_state(std::string_view bytes);
 
 /// decode_state, then checks that the checkpoint fits `config` (see SavedState): a mismatch
 /// throws halfstep::Error (corrupt_state) naming the field. Returns what to restore.
-SavedState load_state(std::string_view bytes, const StepConfig& config);
+HALFSTEP_API SavedState load_state(std::string_view bytes, const StepConfig& config);
 
 }  // namespace halfstep

@@ -51,7 +51,7 @@ struct StepTotals {
 static_assert(sizeof(StepTotals) == 216, "StepTotals has a documented layout");
 
 /// Combines `other` into `into` as the all-reduce does: SUM over `sum`, MAX over `max`.
-void combine(StepTotals& into, const StepTotals& other);
+HALFSTEP_API void combine(StepTotals& into, const StepTotals& other);
 
 /// What a (reduced) record says, decoded.
 struct TotalsSummary {
@@ -66,12 +66,12 @@ struct TotalsSummary {
 /// Decodes a record of gradients in `grad_dtype` (f16 or bf16). Throws halfstep::Error naming the
 /// word and the rule if the record could not have come from a reduction of halfstep records (the
 /// step skips such a record as SkipReason::inconsistent_totals).
-TotalsSummary summarize(const StepTotals& totals, DType grad_dtype);
+HALFSTEP_API TotalsSummary summarize(const StepTotals& totals, DType grad_dtype);
 
 /// Whether this libhalfstep was built with NCCL (CMake HALFSTEP_NCCL): without it, a Distributed
 /// with communicators is refused, and the caller reduces the record between step_local and
 /// step_finish (the Python package does, through torch.distributed).
-bool has_nccl();
+HALFSTEP_API bool has_nccl();
 
 /// How a FusedAdamW takes part in a multi-rank step.
 struct Distributed {
@@ -101,7 +101,7 @@ struct Shard {
 /// reduce-scatter of the flat gradients, and the rank's slices of the masters and moments.
 /// Tensors of zero elements belong to no shard. Throws halfstep::Error on a range outside the
 /// space or a flat buffer of another size.
-Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
+HALFSTEP_API Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
             const ParamTensor& flat);
 
 /// The range [begin, end) rank `rank` of `ranks` holds when `numel` elements are split in order
@@ -109,6 +109,6 @@ Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int
 /// range starts at a multiple of the chunk, so collectives over the flat space use `chunk`
 /// elements per rank (ncclReduceScatter, ncclAllGather), with flat buffers padded to
 /// ranks·chunk; the last ranks' ranges are shorter (or empty).
-std::pair<std::int64_t, std::int64_t> even_shard(std::int64_t numel, std::int32_t ranks, std::int32_t rank);
+HALFSTEP_API std::pair<std::int64_t, std::int64_t> even_shard(std::int64_t numel, std::int32_t ranks, std::int32_t rank);
 
 }  // namespace halfstep

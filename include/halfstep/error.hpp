@@ -1,6 +1,7 @@
 // halfstep: the one exception type the library throws.
 #pragma once
 
+#include "halfstep/config.hpp"
 #include <stdexcept>
 #include <string>
 
@@ -15,7 +16,7 @@ enum class ErrorKind {
 };
 
 /// Every failure halfstep reports. The message names the argument and the rule it broke.
-class Error : public std::runtime_error {
+class HALFSTEP_API Error : public std::runtime_error {
  public:
   Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
   explicit Error(const std::string& message) : Error(ErrorKind::invalid_argument, message) {}

@@ -2,6 +2,7 @@
 // round-to-nearest-even conversions into and out of the 16-bit ones.
 #pragma once
 
+#include "halfstep/config.hpp"
 #include <cstddef>
 #include <cstdint>
 
@@ -36,26 +37,26 @@ constexpr FormatInfo format_info(DType dtype) {
 constexpr std::size_t element_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
 
 /// "f16", "bf16" or "f32".
-const char* dtype_name(DType dtype);
+HALFSTEP_API const char* dtype_name(DType dtype);
 
 /// The binary16 value nearest to `x`, ties to even; NaN stays NaN (sign kept), ±inf and -0 are
 /// kept, and magnitudes from 65520 up round to infinity.
-std::uint16_t to_f16_bits(double x);
+HALFSTEP_API std::uint16_t to_f16_bits(double x);
 /// The exact value of a binary16 bit pattern.
-double from_f16_bits(std::uint16_t bits);
+HALFSTEP_API double from_f16_bits(std::uint16_t bits);
 /// The bfloat16 value nearest to `x`, ties to even, with the same special-value rules.
-std::uint16_t to_bf16_bits(double x);
+HALFSTEP_API std::uint16_t to_bf16_bits(double x);
 /// The exact value of a bfloat16 bit pattern.
-double from_bf16_bits(std::uint16_t bits);
+HALFSTEP_API double from_bf16_bits(std::uint16_t bits);
 
 /// Bits of the 16-bit format `dtype` (f16 or bf16) nearest to `x`.
-std::uint16_t to_bits16(DType dtype, double x);
+HALFSTEP_API std::uint16_t to_bits16(DType dtype, double x);
 /// Exact value of the 16-bit pattern `bits` in format `dtype` (f16 or bf16).
-double from_bits16(DType dtype, std::uint16_t bits);
+HALFSTEP_API double from_bits16(DType dtype, std::uint16_t bits);
 
 /// How a 16-bit pattern classifies, read from its exponent field.
 enum class BitClass : std::uint8_t { zero, subnormal, normal, infinite, nan };
 /// Class of the 16-bit pattern `bits` in format `dtype` (f16 or bf16).
-BitClass classify_bits16(DType dtype, std::uint16_t bits);
+HALFSTEP_API BitClass classify_bits16(DType dtype, std::uint16_t bits);
 
 }  // namespace halfstep

@@ -32,25 +32,25 @@ enum class Backend {
 
 /// Bytes of device workspace a FusedAdamW with Backend::cuda allocates for tensors of these
 /// sizes in `groups` parameter groups (the tensor table, per-chunk partials, state and report).
-std::size_t workspace_bytes(const std::vector<std::int64_t>& tensor_numels, std::size_t groups);
+HALFSTEP_API std::size_t workspace_bytes(const std::vector<std::int64_t>& tensor_numels, std::size_t groups);
 
 /// The same from counts alone, for planning without a list: `tensors` tensors split into `chunks`
 /// chunks in all (chunk_count of each tensor, summed). Throws halfstep::Error past what one step
 /// can hold (2^31 - 1 tensors or chunks).
-std::size_t workspace_bytes(std::uint64_t tensors, std::uint64_t chunks, std::size_t groups);
+HALFSTEP_API std::size_t workspace_bytes(std::uint64_t tensors, std::uint64_t chunks, std::size_t groups);
 
 /// Elements per chunk: a step launches one thread block per chunk of every tensor.
-std::int64_t chunk_elements();
+HALFSTEP_API std::int64_t chunk_elements();
 
 /// Chunks a tensor of `numel` >= 0 elements splits into.
-std::int64_t chunk_count(std::int64_t numel);
+HALFSTEP_API std::int64_t chunk_count(std::int64_t numel);
 
 /// The fused step over a fixed set of parameter tensors.
 ///
 /// Setup (the constructor) validates everything, builds the table of tensors and chunks in
 /// device memory once and allocates all workspace. In device-resident mode (the default) step()
 /// then never allocates and never waits for the device, so it can be captured in a CUDA graph.
-class FusedAdamW {
+class HALFSTEP_API FusedAdamW {
  public:
   /// Validates `tensors` and `config` (throws halfstep::Error naming the argument and the rule)
   /// and prepares the step. For Backend::cuda every non-null buffer must be device memory of the

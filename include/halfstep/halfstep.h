@@ -7,6 +7,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/** What libhalfstep exports (the library is built with hidden visibility). */
+#if defined(__GNUC__) || defined(__clang__)
+#define HALFSTEP_C_API __attribute__((visibility("default")))
+#else
+#define HALFSTEP_C_API
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -112,95 +119,95 @@ typedef struct halfstep_state {
 typedef struct halfstep_optimizer halfstep_optimizer;
 
 /** The library's version, "MAJOR.MINOR.PATCH", and as MAJOR * 10000 + MINOR * 100 + PATCH. */
-const char* halfstep_version(void);
+HALFSTEP_C_API const char* halfstep_version(void);
 /** 1 if this library was built with NCCL (communicators may be passed to
  *  halfstep_create_distributed), 0 if not (reduce the totals record yourself). */
-int32_t halfstep_has_nccl(void);
-int32_t halfstep_version_number(void);
+HALFSTEP_C_API int32_t halfstep_has_nccl(void);
+HALFSTEP_C_API int32_t halfstep_version_number(void);
 /** Names of outcomes and skip reasons ("applied", "second_moment_exceeds_fp32", ...); "unknown"
  *  for codes that are neither. */
-const char* halfstep_outcome_name(int32_t outcome);
-const char* halfstep_reason_name(int32_t reason);
+HALFSTEP_C_API const char* halfstep_outcome_name(int32_t outcome);
+HALFSTEP_C_API const char* halfstep_reason_name(int32_t reason);
 /** Bytes of device workspace Backend::cuda allocates for tensors of these sizes. */
-halfstep_status halfstep_workspace_bytes(const int64_t* numels, int64_t n_tensors, int32_t n_groups, size_t* out);
+HALFSTEP_C_API halfstep_status halfstep_workspace_bytes(const int64_t* numels, int64_t n_tensors, int32_t n_groups, size_t* out);
 
 /** Fills `config` with halfstep's defaults (CUDA backend, fp16, no clipping, spike off). */
-void halfstep_config_init(halfstep_config* config);
+HALFSTEP_C_API void halfstep_config_init(halfstep_config* config);
 /** Fills `group` with AdamW's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, no decay). */
-void halfstep_group_init(halfstep_group* group);
+HALFSTEP_C_API void halfstep_group_init(halfstep_group* group);
 
 /** Validates everything and builds the step; *out receives the optimizer. */
-halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
+HALFSTEP_C_API halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
                                 const halfstep_group* groups, int32_t n_groups,
                                 const halfstep_config* config, halfstep_optimizer** out);
 /** The same, as rank `rank` of a multi-rank step (halfstep::Distributed): each step all-reduces
  *  its totals over the n_comms NCCL communicators (ncclComm_t) in `comms` (may be 0: reduce with
  *  halfstep_step_local / halfstep_step_finish instead). */
-halfstep_status halfstep_create_distributed(const halfstep_tensor* tensors, int64_t n_tensors,
+HALFSTEP_C_API halfstep_status halfstep_create_distributed(const halfstep_tensor* tensors, int64_t n_tensors,
                                             const halfstep_group* groups, int32_t n_groups,
                                             const halfstep_config* config, int32_t rank,
                                             void* const* comms, int32_t n_comms, halfstep_optimizer** out);
 /** Releases the optimizer (NULL is fine). */
-void halfstep_destroy(halfstep_optimizer* opt);
+HALFSTEP_C_API void halfstep_destroy(halfstep_optimizer* opt);
 
 /** Enqueues one step on `stream` (a cudaStream_t; NULL: the default stream). */
-halfstep_status halfstep_step(halfstep_optimizer* opt, void* stream);
+HALFSTEP_C_API halfstep_status halfstep_step(halfstep_optimizer* opt, void* stream);
 /** The two halves of a step for callers that all-reduce the totals record themselves: pass 1
  *  and this rank's record (halfstep_device_totals), then the decision and the update. */
-halfstep_status halfstep_step_local(halfstep_optimizer* opt, void* stream);
-halfstep_status halfstep_step_finish(halfstep_optimizer* opt, void* stream);
+HALFSTEP_C_API halfstep_status halfstep_step_local(halfstep_optimizer* opt, void* stream);
+HALFSTEP_C_API halfstep_status halfstep_step_finish(halfstep_optimizer* opt, void* stream);
 /** The totals record: HALFSTEP_TOTALS_SUM_WORDS + HALFSTEP_TOTALS_MAX_WORDS words of device
  *  memory (host memory for the reference backend). NULL on error. */
-uint64_t* halfstep_device_totals(halfstep_optimizer* opt);
+HALFSTEP_C_API uint64_t* halfstep_device_totals(halfstep_optimizer* opt);
 /** The last step's report; waits for that step. */
-halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* out);
+HALFSTEP_C_API halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* out);
 /** Per-tensor inf/NaN counts of the last step into out[0 .. n_tensors). */
-halfstep_status halfstep_nonfinite_counts(halfstep_optimizer* opt, int64_t* out, int64_t n_tensors);
+HALFSTEP_C_API halfstep_status halfstep_nonfinite_counts(halfstep_optimizer* opt, int64_t* out, int64_t n_tensors);
 /** Sets a group's learning rate, ordered on `stream`. */
-halfstep_status halfstep_set_lr(halfstep_optimizer* opt, int32_t group, float lr, void* stream);
+HALFSTEP_C_API halfstep_status halfstep_set_lr(halfstep_optimizer* opt, int32_t group, float lr, void* stream);
 /** Device memory holding a group's learning rate, for schedules computed on the device (host
  *  memory for the reference backend); an invalid value written there skips the step with
  *  HALFSTEP_REASON_INVALID_LEARNING_RATE. NULL on error. */
-float* halfstep_device_lr(halfstep_optimizer* opt, int32_t group);
+HALFSTEP_C_API float* halfstep_device_lr(halfstep_optimizer* opt, int32_t group);
 /** Each group's learning rate as the next step reads it into out[0 .. n_groups); waits. */
-halfstep_status halfstep_learning_rates(halfstep_optimizer* opt, float* out, int32_t n_groups);
+HALFSTEP_C_API halfstep_status halfstep_learning_rates(halfstep_optimizer* opt, float* out, int32_t n_groups);
 /** Tensors and groups the optimizer was built with. */
-halfstep_status halfstep_sizes(halfstep_optimizer* opt, int64_t* n_tensors, int32_t* n_groups);
+HALFSTEP_C_API halfstep_status halfstep_sizes(halfstep_optimizer* opt, int64_t* n_tensors, int32_t* n_groups);
 /** The loss scale for the next step; waits for the last step. */
-halfstep_status halfstep_loss_scale(halfstep_optimizer* opt, float* out);
+HALFSTEP_C_API halfstep_status halfstep_loss_scale(halfstep_optimizer* opt, float* out);
 /** Device memory holding the loss scale (host memory for the reference backend); NULL on error. */
-const float* halfstep_device_loss_scale(halfstep_optimizer* opt);
+HALFSTEP_C_API const float* halfstep_device_loss_scale(halfstep_optimizer* opt);
 /** Device memory holding the applied-step counter (int64, the Adam t) that each applied step
  *  advances in stream order (host memory for the reference backend); NULL on error. */
-const int64_t* halfstep_device_step_count(halfstep_optimizer* opt);
+HALFSTEP_C_API const int64_t* halfstep_device_step_count(halfstep_optimizer* opt);
 /** Applied steps and attempts so far; waits for the last step. */
-halfstep_status halfstep_step_count(halfstep_optimizer* opt, int64_t* applied, int64_t* attempts);
+HALFSTEP_C_API halfstep_status halfstep_step_count(halfstep_optimizer* opt, int64_t* applied, int64_t* attempts);
 /** The whole optimizer state; waits for the last step. */
-halfstep_status halfstep_get_state(halfstep_optimizer* opt, halfstep_state* out);
+HALFSTEP_C_API halfstep_status halfstep_get_state(halfstep_optimizer* opt, halfstep_state* out);
 /** Writes the checkpoint into `buffer` (capacity bytes) and its size into *size. With a NULL
  *  buffer only *size is written. A buffer that is too small is an invalid argument. */
-halfstep_status halfstep_save_state(halfstep_optimizer* opt, void* buffer, size_t capacity, size_t* size);
+HALFSTEP_C_API halfstep_status halfstep_save_state(halfstep_optimizer* opt, void* buffer, size_t capacity, size_t* size);
 /** Restores a checkpoint; on error the state is unchanged. */
-halfstep_status halfstep_load_state(halfstep_optimizer* opt, const void* data, size_t size);
+HALFSTEP_C_API halfstep_status halfstep_load_state(halfstep_optimizer* opt, const void* data, size_t size);
 
 /** A full checkpoint (halfstep/safetensors.hpp) at `path`: each tensor's master, moments and
  *  (include_model != 0) model copy under names[i] (+ ".exp_avg", ".exp_avg_sq", ".model"), the
  *  optimizer state, and n_metadata string pairs of the caller's (may be 0). */
-halfstep_status halfstep_save_checkpoint(halfstep_optimizer* opt, const char* const* names, int64_t n_names,
+HALFSTEP_C_API halfstep_status halfstep_save_checkpoint(halfstep_optimizer* opt, const char* const* names, int64_t n_names,
                                          const char* path, int32_t include_model,
                                          const char* const* metadata_keys,
                                          const char* const* metadata_values, int64_t n_metadata);
 /** Restores a full checkpoint into the optimizer's buffers and state; on error nothing changes. */
-halfstep_status halfstep_load_checkpoint(halfstep_optimizer* opt, const char* const* names, int64_t n_names,
+HALFSTEP_C_API halfstep_status halfstep_load_checkpoint(halfstep_optimizer* opt, const char* const* names, int64_t n_names,
                                          const char* path);
 /** The value of the caller's metadata `key` in the checkpoint at `path`, into `buffer` (capacity
  *  bytes, including the terminating NUL) with its length in *size; a NULL buffer writes only
  *  *size. A key that is not there is an invalid argument. */
-halfstep_status halfstep_checkpoint_metadata(const char* path, const char* key, char* buffer,
+HALFSTEP_C_API halfstep_status halfstep_checkpoint_metadata(const char* path, const char* key, char* buffer,
                                              size_t capacity, size_t* size);
 
 /** The message of this thread's last failed call ("" if none). */
-const char* halfstep_last_error(void);
+HALFSTEP_C_API const char* halfstep_last_error(void);
 
 #ifdef __cplusplus
 }

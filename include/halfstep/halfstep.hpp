@@ -7,6 +7,7 @@
 #include "halfstep/error.hpp"
 #include "halfstep/formats.hpp"
 #include "halfstep/reference.hpp"
+#include "halfstep/safetensors.hpp"
 #include "halfstep/scaler.hpp"
 #include "halfstep/spike.hpp"
 #include "halfstep/step.hpp"

@@ -15,7 +15,7 @@ namespace halfstep::reference {
 /// buffer is written and `state.step` stays; `state` always advances its attempt count and the
 /// scaler and spike statistics as docs/design.md describes. When `nonfinite_per_tensor` is given it
 /// receives the count of inf and NaN gradient elements of each tensor.
-StepReport step(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+HALFSTEP_API StepReport step(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                 OptimizerState& state, std::vector<std::int64_t>* nonfinite_per_tensor = nullptr);
 
 }  // namespace halfstep::reference

@@ -36,7 +36,7 @@ struct CheckpointOptions {
 /// exist or is not writable, or if `path + ".partial"` exists and is not a regular file;
 /// invalid_argument if a write, the flush or the close fails (a full disk, say); usage if a value
 /// is one load_checkpoint refuses (a checkpoint that could not be loaded is never written).
-void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, const std::string& path,
+HALFSTEP_API void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, const std::string& path,
                      const CheckpointOptions& options = {});
 
 /// Restores what save_checkpoint wrote into `opt`'s buffers and state, bit for bit. Every tensor
@@ -56,7 +56,7 @@ void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, con
 /// tensor with a model copy rounding to a finite one (at most 65504 in magnitude for fp16, give or
 /// take the rounding). A refusal names the tensor, the element or field, and the rule. A path
 /// that is not a regular file is refused (invalid_argument) without being opened.
-std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names,
+HALFSTEP_API std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names,
                                                    const std::string& path);
 
 /// The same for one rank of a sharded run (ZeRO-style, see halfstep::shard): opt's tensor i is
@@ -66,12 +66,12 @@ std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const std::v
 /// one built on buffers gathered from the shards (every rank holds the same optimizer state, so
 /// any rank's save_state serves). Everything is checked before anything is written; model copies
 /// missing from the file are recomputed from the masters.
-std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const Shard& shard,
+HALFSTEP_API std::map<std::string, std::string> load_checkpoint(FusedAdamW& opt, const Shard& shard,
                                                    const std::vector<std::string>& names, const std::string& path);
 
 /// The caller's metadata of a checkpoint file, without loading anything (to check it first).
 /// Throws halfstep::Error (corrupt_state) if the file is not a safetensors file whose header
 /// passes the checks load_checkpoint makes of it.
-std::map<std::string, std::string> checkpoint_metadata(const std::string& path);
+HALFSTEP_API std::map<std::string, std::string> checkpoint_metadata(const std::string& path);
 
 }  // namespace halfstep

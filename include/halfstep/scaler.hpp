@@ -22,7 +22,7 @@ HALFSTEP_HD inline std::int64_t count_up(std::int64_t count) {
 }
 
 /// Rules of the dynamic loss scale. Defaults follow common practice for fp16 training.
-struct ScalerConfig {
+struct HALFSTEP_API ScalerConfig {
   float init_scale = 65536.0f;         ///< scale of the first step; within [min_scale, max_scale]
   float growth_factor = 2.0f;          ///< multiplier after growth_interval clean steps; > 1
   float backoff_factor = 0.5f;         ///< multiplier on overflow; in (0, 1)
@@ -44,7 +44,7 @@ struct ScalerConfig {
 };
 
 /// Where the scaler stands. Counters are cumulative over the run.
-struct ScalerState {
+struct HALFSTEP_API ScalerState {
   float scale;                  ///< the loss scale of the next step
   std::int32_t good_steps;      ///< consecutive clean steps since the last growth or overflow
   std::int32_t hysteresis_left; ///< overflows still tolerated before the next backoff
@@ -57,7 +57,7 @@ struct ScalerState {
 };
 
 /// Equality of every field, the scale compared bitwise.
-bool operator==(const ScalerState& a, const ScalerState& b);
+HALFSTEP_API bool operator==(const ScalerState& a, const ScalerState& b);
 inline bool operator!=(const ScalerState& a, const ScalerState& b) { return !(a == b); }
 
 /// `x` clamped to [lo, hi]; NaN maps to lo, so a scale can never become NaN.
@@ -109,7 +109,7 @@ HALFSTEP_HD inline ScalerState next_state(const ScalerState& s, const ScalerConf
 }
 
 /// Host-side driver around next_state, for trainers that decide on the host.
-class DynamicLossScaler {
+class HALFSTEP_API DynamicLossScaler {
  public:
   /// Validates `config` (throws halfstep::Error) and starts at config.init_scale.
   explicit DynamicLossScaler(const ScalerConfig& config = {});
@@ -133,6 +133,6 @@ class DynamicLossScaler {
 
 /// Throws halfstep::Error if `state` could not have come from `config` (scale out of range or not
 /// finite, negative counters, hysteresis outside [1, config.hysteresis]).
-void validate_state(const ScalerState& state, const ScalerConfig& config);
+HALFSTEP_API void validate_state(const ScalerState& state, const ScalerConfig& config);
 
 }  // namespace halfstep

@@ -14,7 +14,7 @@
 namespace halfstep {
 
 /// Rules of the spike detector.
-struct SpikeConfig {
+struct HALFSTEP_API SpikeConfig {
   bool enabled = false;           ///< off by default
   float z_threshold = 6.0f;       ///< deviations above the mean of log‖g‖ that make a spike; > 0
   float ema_beta = 0.99f;         ///< decay of the moving averages; in (0, 1)
@@ -38,7 +38,7 @@ struct SpikeState {
 };
 
 /// Equality of every field, doubles compared bitwise.
-bool operator==(const SpikeState& a, const SpikeState& b);
+HALFSTEP_API bool operator==(const SpikeState& a, const SpikeState& b);
 inline bool operator!=(const SpikeState& a, const SpikeState& b) { return !(a == b); }
 
 /// Result of observing one norm.

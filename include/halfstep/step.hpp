@@ -11,7 +11,7 @@
 namespace halfstep {
 
 /// Hyperparameters of one parameter group (PyTorch's AdamW/Adam formula, see docs/design.md).
-struct AdamWConfig {
+struct HALFSTEP_API AdamWConfig {
   float lr = 1e-3f;                    ///< learning rate; finite and >= 0; lr·weight_decay < 1
                                        ///< with decoupled decay
   float beta1 = 0.9f;                  ///< first-moment decay; in [0, 1)
@@ -43,7 +43,7 @@ struct ParamTensor {
 };
 
 /// Everything that shapes a step.
-struct StepConfig {
+struct HALFSTEP_API StepConfig {
   DType grad_dtype = DType::f16;            ///< f16 or bf16
   DType model_dtype = DType::f16;           ///< f16 or bf16 (tensors with a null model skip it)
   std::vector<AdamWConfig> groups = std::vector<AdamWConfig>(1);  ///< at least one
@@ -59,7 +59,7 @@ struct StepConfig {
 /// Validates `config` and every tensor against it: group index in range, numel >= 0, non-null
 /// and element-aligned pointers where numel > 0, no two buffers of the step overlapping.
 /// Throws halfstep::Error naming the tensor, the field and the rule.
-void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config);
+HALFSTEP_API void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config);
 
 /// What a step did.
 enum class Outcome : std::uint8_t {
@@ -74,7 +74,7 @@ enum class Outcome : std::uint8_t {
 
 /// "applied", "skipped_overflow", "skipped_spike", "skipped_nonfinite_update" or
 /// "skipped_inconsistent".
-const char* outcome_name(Outcome outcome);
+HALFSTEP_API const char* outcome_name(Outcome outcome);
 
 /// Why a step was not applied. A step is skipped for a non-finite update when finalize can tell
 /// from what pass 1 measured that some update would not be an fp32 number; nothing is written,
@@ -95,7 +95,7 @@ enum class SkipReason : std::uint8_t {
 };
 
 /// The reason's name: "none", "nonfinite_gradient", "spike", "gradient_exceeds_fp32", ...
-const char* skip_reason_name(SkipReason reason);
+HALFSTEP_API const char* skip_reason_name(SkipReason reason);
 
 /// Everything a step measured and decided.
 struct StepReport {
@@ -127,7 +127,7 @@ struct StepReport {
 
 /// The optimizer's own state (the parameters and moments live in the user's buffers).
 /// Checkpointable with encode_state / decode_state.
-struct OptimizerState {
+struct HALFSTEP_API OptimizerState {
   ScalerState scaler;         ///< loss scaler
   SpikeState spike;           ///< spike detector
   std::int64_t step = 0;      ///< applied steps (the Adam t)
@@ -138,13 +138,13 @@ struct OptimizerState {
 };
 
 /// Equality of every field, floating-point fields compared bitwise.
-bool operator==(const OptimizerState& a, const OptimizerState& b);
+HALFSTEP_API bool operator==(const OptimizerState& a, const OptimizerState& b);
 inline bool operator!=(const OptimizerState& a, const OptimizerState& b) { return !(a == b); }
 
 /// Throws halfstep::Error if `state` could not have come from a run with `config`: every counter
 /// in [0, kCounterLimit], overflows, growths, spikes and applied steps at most the attempts,
 /// backoffs at most the overflows, the scaler's counters within its config, the spike statistics
 /// those of a finite log-norm.
-void validate_state(const OptimizerState& state, const StepConfig& config);
+HALFSTEP_API void validate_state(const OptimizerState& state, const StepConfig& config);
 
 }  // namespace halfstep

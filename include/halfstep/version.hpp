@@ -7,9 +7,9 @@
 namespace halfstep {
 
 /// "MAJOR.MINOR.PATCH" of the library in use.
-const char* version();
+HALFSTEP_API const char* version();
 
 /// MAJOR * 10000 + MINOR * 100 + PATCH of the library in use.
-int version_number();
+HALFSTEP_API int version_number();
 
 }  // namespace halfstep
