@@ -26,7 +26,7 @@ expect(2 "--spike-step: 99999999999999999999 is more than"
        --cpu --quiet --steps 600 --scenario spike --spike-step 99999999999999999999)
 expect(ok "checkpoint written" --cpu --quiet --steps 1 --seed 18446744073709551615
        --checkpoint "${WORK_DIR}/max_seed.safetensors")
-expect(fail "seed 18446744073709551615; this run is [^\n]*,seed 10\n"
+expect(fail "--seed 18446744073709551615 there, 10 in this run"
        --cpu --quiet --steps 2 --seed 010 --resume "${WORK_DIR}/max_seed.safetensors")
 # --print-every: a positive count; its default (without the option) is a fifteenth of the run.
 expect(2 "--print-every: 0 is less than 1" --cpu --steps 3 --print-every 0)
@@ -66,8 +66,12 @@ expect(ok "checkpoint written" --cpu --quiet --steps 20 --checkpoint "${WORK_DIR
 expect(fail "already at step 20 and --steps 20 is the total: nothing to run \\(give --steps 21 or more\\)"
        --cpu --quiet --steps 20 --resume "${WORK_DIR}/at20.safetensors")
 expect(fail "already at step 20" --cpu --quiet --steps 10 --resume "${WORK_DIR}/at20.safetensors")
-expect(fail "was written for shape and seed" --cpu --quiet --steps 30 --width 128 --resume "${WORK_DIR}/at20.safetensors")
-expect(fail "was written for shape and seed" --cpu --quiet --steps 30 --seed 2 --resume "${WORK_DIR}/at20.safetensors")
+# Another shape: what differs, in words.
+expect(fail "--resume [^\n]*/at20.safetensors: it was written by a run of another network, batch or seed: --width 256 there, 128 in this run \\(a resumed run must repeat them\\)\n"
+       --cpu --quiet --steps 30 --width 128 --resume "${WORK_DIR}/at20.safetensors")
+expect(fail "seed: --seed 1 there, 2 in this run \\(" --cpu --quiet --steps 30 --seed 2 --resume "${WORK_DIR}/at20.safetensors")
+expect(fail "seed: --layers 3 there, 2 in this run; --batch 128 there, 96 in this run; dataset samples 8192 there, 8160 in this run \\("
+       --cpu --quiet --steps 30 --layers 2 --batch 96 --resume "${WORK_DIR}/at20.safetensors")
 expect(2 "--trace [^\n]*/at20.safetensors names the same file as --resume"
        --cpu --quiet --steps 30 --trace "${WORK_DIR}/at20.safetensors" --resume "${WORK_DIR}/at20.safetensors")
 foreach(other "--scenario;overflow-storm;default" "--scenario;lr-decay;default" "--scenario;fixed-scale;default"

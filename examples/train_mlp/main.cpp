@@ -380,10 +380,54 @@ std::vector<std::string> tensor_names(const train::Dims& dims) {
   return names;
 }
 
+// What a checkpoint's shape key records, in its order, each by the option that sets it or in
+// words: a resumed run must repeat all of them.
+struct ShapeField {
+  const char* name;
+  std::string value;
+};
+std::vector<ShapeField> shape_fields(const train::Dims& d, std::uint64_t seed) {
+  return {{"input features", std::to_string(d.d_in)}, {"--width", std::to_string(d.width)},
+          {"--layers", std::to_string(d.hidden_layers)}, {"outputs", std::to_string(d.d_out)},
+          {"--batch", std::to_string(d.batch)}, {"dataset samples", std::to_string(d.samples)},
+          {"--seed", std::to_string(seed)}};
+}
+
+// The key: "64,256,3,16,128,8192,seed 1" (the fields in order; the seed's tagged).
 std::string shape_key(const train::Dims& d, std::uint64_t seed) {
-  return std::to_string(d.d_in) + "," + std::to_string(d.width) + "," + std::to_string(d.hidden_layers) +
-         "," + std::to_string(d.d_out) + "," + std::to_string(d.batch) + "," + std::to_string(d.samples) +
-         ",seed " + std::to_string(seed);
+  std::string key;
+  for (const ShapeField& f : shape_fields(d, seed)) {
+    key += (key.empty() ? "" : ",") + (f.name == std::string("--seed") ? "seed " + f.value : f.value);
+  }
+  return key;
+}
+
+// Why a checkpoint whose shape key is `saved` cannot continue this run, in words: each field that
+// differs, the checkpoint's value and this run's.
+std::string shape_difference(const std::string& saved, const train::Dims& dims, std::uint64_t seed) {
+  const std::vector<ShapeField> mine = shape_fields(dims, seed);
+  std::vector<std::string> theirs;
+  for (std::size_t at = 0;;) {
+    const std::size_t comma = saved.find(',', at);
+    theirs.push_back(saved.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  if (theirs.size() != mine.size() || theirs.back().rfind("seed ", 0) != 0) {
+    return "its halfstep-train.shape '" + saved + "' is not one halfstep-train writes";
+  }
+  theirs.back().erase(0, 5);
+  std::string differ;
+  bool engine = false;  // the input and output widths differ between the engines, never by an option
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    if (theirs[i] == mine[i].value) continue;
+    differ += std::string(differ.empty() ? "" : "; ") + mine[i].name + " " + theirs[i] + " there, " + mine[i].value +
+              " in this run";
+    engine = engine || mine[i].name == std::string("input features") || mine[i].name == std::string("outputs");
+  }
+  return "it was written by a run of another network, batch or seed: " + differ +
+         (engine ? " (the CPU and GPU engines train networks of different sizes: resume on the engine that wrote it)"
+                 : " (a resumed run must repeat them)");
 }
 
 // The metadata key of a setting: "halfstep-train.scenario" for --scenario.
@@ -410,8 +454,7 @@ std::int64_t resume_step(const std::string& path, const train::Dims& dims, std::
     throw std::runtime_error(path + " is a halfstep checkpoint but not one halfstep-train wrote");
   }
   if (shape->second != shape_key(dims, seed)) {
-    throw std::runtime_error(path + " was written for shape and seed " + shape->second + "; this run is " +
-                             shape_key(dims, seed));
+    throw std::runtime_error("--resume " + path + ": " + shape_difference(shape->second, dims, seed));
   }
   for (const auto& [option, value] : scenario.settings) {
     const auto saved = meta.find(setting_key(option));
