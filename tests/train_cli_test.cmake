@@ -98,4 +98,8 @@ expect(ok "resumed from .* at step 20" --cpu --steps 25 --resume "${WORK_DIR}/at
 expect(fail "--resume: File does not exist" --cpu --resume "${WORK_DIR}/missing.safetensors")
 file(WRITE "${WORK_DIR}/junk.safetensors" "not a checkpoint at all")
 expect(fail "header length" --cpu --steps 30 --resume "${WORK_DIR}/junk.safetensors")
+# The loss in 4 significant digits at any size: lr-decay's fine-tuning loss is about 10^-3 and falls
+# (five fixed decimals printed 0.00000 from step 1000 of its 3000 on).
+expect(ok "\nstep +20  loss [1-9]\\.[0-9][0-9][0-9]e-03  scale .*\n  loss [1-9]\\.[0-9][0-9][0-9]e-03 over the first 4 steps, [1-9]\\.[0-9][0-9][0-9]e-03 over the last 4\n"
+       --cpu --scenario lr-decay --steps 20 --print-every 20)
 expect_report("halfstep-train refuses what cannot run, with a message")

@@ -667,7 +667,7 @@ int run(const Options& o) {
         last_print = step + 1;
         const halfstep::OptimizerState s = trainer->state();
         const double numel = static_cast<double>(std::max<std::int64_t>(r.numel, 1));
-        std::printf("step %6lld  loss %.5f  scale %-7s skipped %4lld  |g| %.2e  headroom %5.1f  "
+        std::printf("step %6lld  loss %.3e  scale %-7s skipped %4lld  |g| %.2e  headroom %5.1f  "
                     "subnormal %6.3f%%  zero %5.1f%%  %6.1f steps/s\n",
                     static_cast<long long>(step + 1), static_cast<double>(loss),
                     log2_text(r.scale_next).c_str(), static_cast<long long>(s.attempts - s.step),
@@ -692,7 +692,7 @@ int run(const Options& o) {
   const halfstep::OptimizerState s = trainer->state();
   std::printf("done: %lld steps in %.1f s (%.1f steps/s)\n", static_cast<long long>(steps - start),
               seconds, static_cast<double>(steps - start) / seconds);
-  std::printf("  loss %.5f over the first %lld steps, %.5f over the last %lld\n", mean_loss(start),
+  std::printf("  loss %.3e over the first %lld steps, %.3e over the last %lld\n", mean_loss(start),
               static_cast<long long>(window), mean_loss(steps - window), static_cast<long long>(window));
   std::printf("  applied %lld, skipped %lld (overflow %lld, spike or non-finite update %lld); spikes flagged %lld\n",
               static_cast<long long>(s.step), static_cast<long long>(s.attempts - s.step),
