@@ -98,6 +98,16 @@ expect(ok "resumed from .* at step 20" --cpu --steps 25 --resume "${WORK_DIR}/at
 expect(fail "--resume: File does not exist" --cpu --resume "${WORK_DIR}/missing.safetensors")
 file(WRITE "${WORK_DIR}/junk.safetensors" "not a checkpoint at all")
 expect(fail "header length" --cpu --steps 30 --resume "${WORK_DIR}/junk.safetensors")
+# --ranks: the default batch is rounded up to a multiple of the ranks; a --batch given that they do
+# not divide is refused, after the line that says which engine runs.
+expect(ok "batch 129, 2 steps\n  data parallel over 3 ranks: each rank computes 43 samples \\(the default batch of 128 rounded up to a multiple of 3\\)"
+       --cpu --quiet --steps 2 --ranks 3)
+expect(ok "batch 128, 2 steps\n  data parallel over 4 ranks: each rank computes 32 samples, optimizer" --cpu --quiet --steps 2 --ranks 4)
+execute_process(COMMAND sh -c "exec \"$0\" \"$@\" 2>&1" "${TRAIN}" --cpu --steps 2 --ranks 3 --batch 100
+                RESULT_VARIABLE rc OUTPUT_VARIABLE both)
+if(NOT rc EQUAL 2 OR NOT both MATCHES "^--cpu: running on the CPU [^\n]*\nhalfstep-train: --ranks 3 must divide --batch 100, each rank computing an equal part of it \\(give --batch 99 or 102, or --replicate-batch\\)\n")
+  string(APPEND failures "\n  --ranks 3 --batch 100: exit ${rc}, wanted 2 and the refusal after the engine's line, got:\n${both}")
+endif()
 # The loss in 4 significant digits at any size: lr-decay's fine-tuning loss is about 10^-3 and falls
 # (five fixed decimals printed 0.00000 from step 1000 of its 3000 on).
 expect(ok "\nstep +20  loss [1-9]\\.[0-9][0-9][0-9]e-03  scale .*\n  loss [1-9]\\.[0-9][0-9][0-9]e-03 over the first 4 steps, [1-9]\\.[0-9][0-9][0-9]e-03 over the last 4\n"

@@ -72,6 +72,7 @@ struct Options {
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
+  std::fflush(stdout);  // what the run printed first (the device line) comes before the error
   std::fprintf(stderr, "halfstep-train: %s\nRun with --help for the options.\n", what.c_str());
   std::exit(2);
 }
@@ -560,16 +561,27 @@ int run(const Options& o) {
   }
   if (o.width > 0) dims.width = o.width;
   if (o.layers > 0) dims.hidden_layers = o.layers;
-  if (o.batch > 0) dims.batch = o.batch;
+  // Data parallelism splits each batch evenly over the ranks: the default batch is rounded up to a
+  // multiple of them (128 on 3 ranks: 129, 43 each); a --batch given must be one.
+  const int ranks = o.ranks > 0 ? o.ranks : 1;
+  const bool split = o.ranks > 0 && !o.replicate_batch;
+  const int default_batch = dims.batch;
+  if (o.batch > 0) {
+    dims.batch = o.batch;
+  } else if (split) {
+    dims.batch = (dims.batch + ranks - 1) / ranks * ranks;
+  }
+  if (split && dims.batch % ranks != 0) {
+    const int below = dims.batch / ranks * ranks, above = below + ranks;
+    usage_error("--ranks " + std::to_string(ranks) + " must divide --batch " + std::to_string(dims.batch) +
+                ", each rank computing an equal part of it (give --batch " +
+                (below > 0 ? std::to_string(below) + " or " : std::string()) + std::to_string(above) +
+                ", or --replicate-batch)");
+  }
   dims.samples = std::max(dims.samples / dims.batch, 1) * dims.batch;  // whole batches
   const std::int64_t steps = o.steps > 0 ? o.steps : (gpu ? 5000 : 3000);
   const std::int64_t print_every = o.print_every > 0 ? o.print_every : std::max<std::int64_t>(steps / 15, 1);
   Scenario scenario = make_scenario(o, steps);
-  const int ranks = o.ranks > 0 ? o.ranks : 1;
-  if (o.ranks > 0 && !o.replicate_batch && dims.batch % ranks != 0) {
-    usage_error("--ranks " + std::to_string(ranks) + " must divide the batch of " + std::to_string(dims.batch) +
-                " samples (or give --replicate-batch)");
-  }
   // What the run reads and writes, before anything is computed: the checkpoint to resume (this
   // program's metadata; halfstep checks the rest as it loads it), then the traces, opened.
   const std::int64_t start = o.resume.empty() ? 0 : resume_step(o.resume, dims, o.seed, steps, scenario);
@@ -587,7 +599,7 @@ int run(const Options& o) {
   // The engines: one, or one per rank with its slice of the batch (or all of it, replicated).
   auto rank_dims = [&](int r) {
     train::Dims d = dims;
-    if (o.ranks > 0 && !o.replicate_batch) {
+    if (split) {
       d.global_batch = dims.batch;
       d.batch = dims.batch / ranks;
       d.batch_offset = r * d.batch;
@@ -620,9 +632,15 @@ int run(const Options& o) {
               static_cast<long long>(dims.parameters()), train::tensor_shapes(dims).size(), dims.batch,
               static_cast<long long>(steps));
   if (o.ranks > 0) {
-    std::printf("  data parallel over %d ranks: %s, optimizer state sharded\n", ranks,
-                o.replicate_batch ? "every rank computes the whole batch"
-                                  : ("each rank computes " + std::to_string(dims.batch / ranks) + " samples").c_str());
+    std::string part = "every rank computes the whole batch";
+    if (split) {
+      part = "each rank computes " + std::to_string(dims.batch / ranks) + " samples";
+      if (dims.batch != default_batch && o.batch <= 0) {
+        part += " (the default batch of " + std::to_string(default_batch) + " rounded up to a multiple of " +
+                std::to_string(ranks) + ")";
+      }
+    }
+    std::printf("  data parallel over %d ranks: %s, optimizer state sharded\n", ranks, part.c_str());
   }
 
   if (start > 0) {
@@ -717,6 +735,7 @@ int main(int argc, char** argv) {
     if (const std::string error = stdout_error(); !error.empty()) throw std::runtime_error(error);
     return rc;
   } catch (const std::exception& e) {
+    std::fflush(stdout);  // the lines printed before it, then the error
     std::fprintf(stderr, "halfstep-train: %s\n", e.what());
     return 1;
   }
