@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""Asserts the signature of a halfstep-train scenario on its --trace CSV.
+"""Asserts the signature of a halfstep-train scenario on its --trace CSV, or that a trace loads with
+the defaults of the usual CSV readers.
 
 usage: check_scenario.py SCENARIO TRACE.csv
+       check_scenario.py --defaults TRACE.csv
 
-Each check states the dynamics the scenario exists to show (see halfstep-train --help)."""
+Each check states the dynamics the scenario exists to show (see halfstep-train --help). The trace
+is read as plain CSV, a header line and rows; --defaults reads it with csv.DictReader, numpy's
+genfromtxt and, where it is installed, pandas' read_csv, each with its defaults."""
 import csv
 import math
 import sys
@@ -11,7 +15,7 @@ import sys
 
 def load(path):
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+        rows = list(csv.DictReader(f))
     if not rows:
         sys.exit(f"{path}: empty trace")
     for r in rows:
@@ -103,7 +107,42 @@ def check(name, rows):
     return ok
 
 
+def loads_with_defaults(path):
+    """The trace as csv, numpy and pandas read a CSV file when given nothing but its name."""
+    with open(path, newline="") as f:
+        header, *lines = f.read().splitlines()
+    if not require(header.startswith("attempt,step,"), f"the first line is the header: {header[:60]!r}"):
+        return False
+    losses = [float(line.split(",")[5]) for line in lines]  # the loss, sixth of halfstep-train's columns
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    ok = require(len(rows) == len(lines) and all(len(r) == 19 and None not in r for r in rows),
+                  f"csv.DictReader: {len(rows)} rows of 19 named fields")
+    import numpy
+
+    try:
+        table = numpy.genfromtxt(path, delimiter=",", names=True)
+        ok &= require(table.shape == (len(lines),) and list(table["loss"]) == losses,
+                      f"numpy.genfromtxt(path, delimiter=',', names=True): {table.shape[0]} rows, the same losses")
+    except (ValueError, KeyError) as e:
+        ok &= require(False, f"numpy.genfromtxt(path, delimiter=',', names=True): {e!r}")
+    try:
+        import pandas
+    except ImportError:
+        print("skip  pandas.read_csv(path): pandas is not installed")
+        return ok
+    try:
+        frame = pandas.read_csv(path)
+        ok &= require(list(frame.columns) == header.split(",") and list(frame["loss"]) == losses,
+                      f"pandas.read_csv(path): {len(frame)} rows, the same columns and losses")
+    except (ValueError, KeyError) as e:  # pandas' ParserError is a ValueError
+        ok &= require(False, f"pandas.read_csv(path): {e!r}")
+    return ok
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit(__doc__)
+    if sys.argv[1] == "--defaults":
+        sys.exit(0 if loads_with_defaults(sys.argv[2]) else 1)
     sys.exit(0 if check(sys.argv[1], load(sys.argv[2])) else 1)

@@ -15,7 +15,7 @@ function(train)
     message(FATAL_ERROR "halfstep-train ${ARGN} failed (${rc})")
   endif()
 endfunction()
-# The rows of a trace, without its first line (which names the command that wrote it).
+# The rows of a trace, without its header line.
 function(rows file out)
   file(STRINGS "${file}" lines)
   list(LENGTH lines n)

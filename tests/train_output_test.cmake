@@ -6,8 +6,8 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 set(PROGRAM "${TRAIN}")
 include(${CMAKE_CURRENT_LIST_DIR}/expect.cmake)
-# /dev/full takes no byte: a run from the start fails writing the trace's header, before its first
-# step; a resumed run, which appends rows only, when it flushes them.
+# /dev/full takes no byte: a run fails writing the trace's header, before its first step (a resumed
+# run too: /dev/full is not an existing trace to append rows to).
 expect(1 "halfstep-train: writing the trace /dev/full failed: No space left on device"
        --cpu --quiet --steps 5 --trace /dev/full)
 expect(ok "checkpoint written" --cpu --quiet --steps 3 --checkpoint "${WORK_DIR}/at3.safetensors")

@@ -1,15 +1,18 @@
 #!/usr/bin/python3
 """Plots a halfstep-train --trace CSV on one step axis: the loss with the learning rate, the loss
 scale (log2) with overflow and spike markers, the unscaled gradient norm, and the shares of
-gradient elements that underflowed (subnormal, zero) on a log axis. The title says what was run.
-Installed as halfstep-plot; runs with Debian's python3 and python3-matplotlib.
+gradient elements that underflowed (subnormal, zero) on a log axis. The title names the runs that
+wrote the trace, from the description halfstep-train writes next to it (TRACE.csv.json), if there
+is one. Installed as halfstep-plot; runs with Debian's python3 and python3-matplotlib.
 
-TRACE.csv must be a regular file of at most 1 GiB and 5 million rows, in halfstep-train's format
-(comma-separated, unquoted, '#' comment lines). Whatever is wrong with it is said in one line,
-'halfstep-plot: TRACE.csv: what is wrong', with exit code 2; exit code 1 means the plot could not
-be written."""
+TRACE.csv must be a regular file of at most 1 GiB and 5 million rows, in halfstep-train's format:
+comma-separated and unquoted, a header line of column names, then one row per step (lines that
+start with '#', which older versions wrote above the header, are skipped). Whatever is wrong with
+it is said in one line, 'halfstep-plot: TRACE.csv: what is wrong', with exit code 2. Exit code 1
+means that the plot could not be written."""
 import argparse
 import itertools
+import json
 import math
 import os
 import stat
@@ -19,10 +22,11 @@ from array import array
 
 # Bounds on what is read, so that a device (/dev/urandom), a FIFO or a huge file cannot exhaust
 # the memory: a trace row is about 200 bytes, so 1 GiB holds about 5 million steps, far more than
-# a plot shows apart; the first line is the command line that wrote the trace.
+# a plot shows apart. A description names a few runs in a few hundred bytes each.
 MAX_BYTES = 1 << 30
 MAX_ROWS = 5_000_000
 MAX_LINE = 1 << 20
+MAX_DESCRIPTION = 1 << 20
 
 # The columns the plot reads (halfstep-train writes more), and what each must hold.
 INT_COLUMNS = ("attempt", "numel", "subnormal_count", "zero_count")
@@ -63,8 +67,37 @@ def value(text, kind, column, number):
         raise BadInput(f"line {number}: {column} is '{shown}', not {what}") from None
 
 
+def describe(path):
+    """The title the trace's description gives (the runs that wrote it), or None without one. A
+    description that cannot be read is said on the standard error; the plot goes on without it."""
+    name = path + ".json"
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        print(f"halfstep-plot: {name}: {e.strerror}; the title names the trace instead", file=sys.stderr)
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ValueError("not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_DESCRIPTION + 1)
+        if len(raw) > MAX_DESCRIPTION:
+            raise ValueError(f"longer than {MAX_DESCRIPTION} bytes")
+        runs = json.loads(raw.decode("utf-8"))["runs"]
+        titles = [f"{run['command']} (halfstep {run['halfstep']}, {run['engine']})" for run in runs]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a JSONDecodeError is a ValueError
+        shown = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+        print(f"halfstep-plot: {name}: not a halfstep-train trace description ({shown}); the title names "
+              f"the trace instead", file=sys.stderr)
+        return None
+    return "; then ".join(titles) if titles else None
+
+
 def read(path):
-    """The trace's columns, and the run it came from (its '# ' comment lines)."""
+    """The trace's columns, and the run it came from (the '# ' comment lines older versions wrote)."""
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -134,7 +167,8 @@ def main():
     ap.add_argument("trace", metavar="TRACE.csv", help="what halfstep-train --trace wrote")
     ap.add_argument("-o", "--output", required=True, metavar="IMAGE",
                     help="the plot to write; its extension names the format (png, pdf, svg, ...)")
-    ap.add_argument("--title", default=None, help="default: the run recorded in the trace")
+    ap.add_argument("--title", default=None,
+                    help="the plot's title (default: the runs that TRACE.csv.json names, else the trace's name)")
     args = ap.parse_args()
 
     try:
@@ -160,7 +194,7 @@ def main():
     finite_norm = [(a, g) for a, g in zip(x, cols["norm"]) if math.isfinite(g) and g > 0]
 
     fig, ax = plt.subplots(4, 1, sharex=True, figsize=(9, 10), constrained_layout=True)
-    title = args.title or (comments[0] if comments else args.trace)
+    title = args.title or describe(args.trace) or (comments[0] if comments else args.trace)
     fig.suptitle(textwrap.fill(title, 100), fontsize=9)
 
     ax[0].plot(x, cols["loss"], lw=0.8, color="tab:blue", label="loss")

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -22,6 +23,7 @@
 
 #include <CLI/CLI.hpp>
 #include <halfstep/safetensors.hpp>
+#include <nlohmann/json.hpp>
 
 #include "model.hpp"
 #include "trainer.hpp"
@@ -68,7 +70,7 @@ struct Options {
   bool quiet = false;
   int ranks = 0;               // 0: no data parallelism
   bool replicate_batch = false;
-  std::string command_line;  // as given, for the trace
+  std::string command_line;  // as given, for the trace's description
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
@@ -155,6 +157,11 @@ std::string rank_trace(const std::string& path, int rank) {
   return has_ext ? path.substr(0, dot) + tag + path.substr(dot) : path + tag;
 }
 
+// The description of trace `path`, next to it: what wrote its rows. It is kept out of the trace
+// itself so that the trace is plain CSV, a header line and rows, which any CSV reader loads with
+// its defaults (a comment line above the header broke pandas.read_csv and numpy.genfromtxt).
+std::string description_path(const std::string& path) { return path + ".json"; }
+
 // Whether two paths name the same file, existing or not (through symbolic links and "..").
 bool same_file(const std::string& a, const std::string& b) {
   std::error_code ea, eb;
@@ -198,8 +205,11 @@ Options parse(int argc, char** argv) {
   app.add_option("--print-every", o.print_every, "progress line every N steps (default: steps / 15)")
       ->transform(decimal_in(1, static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())));
   app.add_option("--trace", o.trace,
-                 "FILE.csv: one row per step, the loss and every StepReport field; with --resume\n"
-                 "the rows are appended to FILE. A write that fails ends the run");
+                 "FILE.csv: one row per step, the loss and every StepReport field, under a header\n"
+                 "line of column names (plain CSV: pandas.read_csv(FILE) reads it). With --resume\n"
+                 "the rows are appended to FILE, with the header first if FILE is new or empty.\n"
+                 "What wrote the rows (command line, halfstep version, engine; each resumed run\n"
+                 "added) goes to FILE.json next to it. A write that fails ends the run");
   app.add_option("--checkpoint", o.checkpoint,
                  "FILE.safetensors: save weights, moments, model copies and optimizer state at the\n"
                  "end. FILE is replaced once the new file is complete: its directory must exist\n"
@@ -245,13 +255,17 @@ Options parse(int argc, char** argv) {
   o.growth_interval_given = growth->count() > 0;
   if (o.replicate_batch && o.ranks == 0) usage_error("--replicate-batch needs --ranks");
   if (!o.checkpoint.empty()) check_checkpoint_path(o.checkpoint);
-  // A trace on the file another option reads or writes would corrupt that checkpoint, or be
-  // replaced by it at the end.
+  // A trace, or its description, on the file another option reads or writes would corrupt that
+  // checkpoint, or be replaced by it at the end.
   for (int r = 0; !o.trace.empty() && r < std::max(o.ranks, 1); ++r) {
     const std::string trace = rank_trace(o.trace, r);
     for (const auto& [option, path] : {std::pair{"--checkpoint", &o.checkpoint}, std::pair{"--resume", &o.resume}}) {
       if (!path->empty() && same_file(trace, *path)) {
         usage_error("--trace " + trace + " names the same file as " + option + " " + *path);
+      }
+      if (!path->empty() && same_file(description_path(trace), *path)) {
+        usage_error("--trace " + trace + ": its description " + description_path(trace) + " names the same file as " +
+                    option + " " + *path);
       }
     }
   }
@@ -484,6 +498,12 @@ std::int64_t resume_step(const std::string& path, const train::Dims& dims, std::
 }
 
 // --- output ---------------------------------------------------------------------------------
+void trace_header(std::FILE* f) {
+  std::fprintf(f, "attempt,step,outcome,reason,spike,loss,lr,scale_used,scale_next,grad_norm,clip_coef,"
+                  "nonfinite_count,first_nonfinite_tensor,max_abs_scaled,headroom_log2,"
+                  "subnormal_count,zero_count,numel,held_elements\n");
+}
+
 // One trace file. stdio reports a failed write (a full disk, /dev/full) only through the stream's
 // error flag and the results of fflush and fclose; every row checks them, so a trace that cannot
 // be written ends the run at once, naming the file, rather than one that ends "done" without it.
@@ -493,8 +513,17 @@ class Trace {
   // rows. A path that cannot be opened is refused like a bad option, before the run.
   Trace(std::string path, bool append) : path_(std::move(path)), file_(std::fopen(path_.c_str(), append ? "a" : "w")) {
     if (file_ == nullptr) usage_error("--trace " + path_ + ": " + std::strerror(errno));
+    struct stat st {};
+    regular_ = ::fstat(::fileno(file_), &st) == 0 && S_ISREG(st.st_mode);
+    // A resumed run may trace to a new file (or an empty one): its rows need the header as much
+    // as a first run's. Only rows that continue an existing trace go without one.
+    fresh_ = !append || !regular_ || st.st_size == 0;
   }
-  Trace(Trace&& other) noexcept : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+  Trace(Trace&& other) noexcept
+      : path_(std::move(other.path_)),
+        file_(std::exchange(other.file_, nullptr)),
+        regular_(other.regular_),
+        fresh_(other.fresh_) {}
   Trace(const Trace&) = delete;
   Trace& operator=(const Trace&) = delete;
   Trace& operator=(Trace&&) = delete;
@@ -502,6 +531,38 @@ class Trace {
     if (file_ != nullptr) std::fclose(file_);  // after a failure, which was already reported
   }
   std::FILE* file() const { return file_; }
+  // Before the first row: the header, if the file is fresh, flushed (a file that takes nothing,
+  // /dev/full, fails here, before the first step), then `run` added to the trace's description,
+  // which names the runs that wrote its rows. A trace that is not a regular file (a pipe, a
+  // device) has no place next to it for one.
+  void start(const nlohmann::ordered_json& run) const {
+    if (fresh_) trace_header(file_);
+    flush();
+    if (!regular_) return;
+    const std::string path = description_path(path_);
+    nlohmann::ordered_json description;
+    std::error_code error;
+    if (!fresh_ && std::filesystem::exists(path, error)) {  // the runs before this one stay in it
+      std::ifstream in(path);
+      description = nlohmann::ordered_json::parse(in, nullptr, false);
+      if (description.is_discarded() || !description.is_object() || !description.contains("runs") ||
+          !description["runs"].is_array()) {
+        throw std::runtime_error("--trace " + path_ + ": its description " + path +
+                                 " is not one halfstep-train wrote (move it away, and this run starts a new one)");
+      }
+    } else {
+      description["trace"] = std::filesystem::path(path_).filename().string();
+      description["runs"] = nlohmann::ordered_json::array();
+    }
+    description["runs"].push_back(run);
+    // Replaced whole; invalid UTF-8 in a command line is written as U+FFFD rather than refused.
+    const std::string text = description.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    if (f == nullptr) fail("writing the trace description " + path, errno);
+    const bool written = std::fputs(text.c_str(), f) >= 0 && std::fflush(f) == 0;
+    const int why = errno;
+    if (std::fclose(f) != 0 || !written) fail("writing the trace description " + path, written ? errno : why);
+  }
   // After each write, while errno still says why it failed.
   void check() const {
     if (std::ferror(file_)) fail(errno);
@@ -515,18 +576,15 @@ class Trace {
   }
 
  private:
-  [[noreturn]] void fail(int error) const {
-    throw std::runtime_error("writing the trace " + path_ + " failed: " + std::strerror(error));
+  [[noreturn]] void fail(int error) const { fail("writing the trace " + path_, error); }
+  [[noreturn]] static void fail(const std::string& what, int error) {
+    throw std::runtime_error(what + " failed: " + std::strerror(error));
   }
   std::string path_;
   std::FILE* file_;
+  bool regular_ = false;  // a regular file, not a pipe or a device
+  bool fresh_ = true;     // new or empty: the header comes first
 };
-
-void trace_header(std::FILE* f) {
-  std::fprintf(f, "attempt,step,outcome,reason,spike,loss,lr,scale_used,scale_next,grad_norm,clip_coef,"
-                  "nonfinite_count,first_nonfinite_tensor,max_abs_scaled,headroom_log2,"
-                  "subnormal_count,zero_count,numel,held_elements\n");
-}
 
 void trace_row(std::FILE* f, const StepReport& r, float loss, float lr) {
   std::fprintf(f, "%lld,%lld,%s,%s,%d,%.9g,%.9g,%.9g,%.9g,%.17g,%.9g,%lld,%d,%.9g,%.9g,%lld,%lld,%lld,%lld\n",
@@ -648,13 +706,15 @@ int run(const Options& o) {
     std::printf("  resumed from %s at step %lld (loss scale %s)\n", o.resume.c_str(),
                 static_cast<long long>(start), log2_text(trainer->state().scaler.scale).c_str());
   }
-  for (const Trace& t : traces) {
-    if (start == 0) {
-      std::fprintf(t.file(), "# %s (halfstep %s, %s)\n", o.command_line.c_str(), halfstep::version(),
-                   engine_name.c_str());
-      trace_header(t.file());
-    }
-    t.flush();  // a file that takes nothing (/dev/full) fails here, before the first step
+  for (std::size_t r = 0; r < traces.size(); ++r) {
+    nlohmann::ordered_json run;
+    run["command"] = o.command_line;
+    run["halfstep"] = halfstep::version();
+    run["engine"] = engine_name;
+    run["rank"] = r;
+    run["ranks"] = ranks;
+    run["first_attempt"] = start + 1;  // the attempt column of this run's first row
+    traces[r].start(run);
   }
 
   const auto t0 = std::chrono::steady_clock::now();
