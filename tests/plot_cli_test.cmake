@@ -2,7 +2,7 @@
 # "halfstep-plot: FILE: what is wrong", and exit code 2, without a traceback, and without reading
 # more than a bounded part of it; exit code 1 when the plot cannot be written. A trace's
 # description (TRACE.csv.json) titles the plot; one that cannot be read is said, and the plot goes
-# on.
+# on. --version and --help answer in full.
 # Run as: cmake -DPLOT=... -DVERSION=... -DWORK_DIR=... -P plot_cli_test.cmake
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
@@ -23,6 +23,9 @@ function(expect_refused file what)
   set(failures "${failures}" PARENT_SCOPE)
 endfunction()
 
+expect(ok "^halfstep-plot ${VERSION}\n$" --version)
+expect(ok "means that the plot could not be written\\.\n\npositional arguments:.*\n  --version +print halfstep-plot's version and exit\n$"
+       --help)
 file(WRITE "${WORK_DIR}/run.csv" "${header}${row1}${row2}")
 file(WRITE "${WORK_DIR}/run.csv.json" "{\"trace\": \"run.csv\", \"runs\": [{\"command\": \"halfstep-train --cpu --steps 2\",
   \"halfstep\": \"${VERSION}\", \"engine\": \"cpu\", \"rank\": 0, \"ranks\": 1, \"first_attempt\": 1}]}\n")
@@ -86,4 +89,4 @@ expect(1 "^halfstep-plot: [^\n]*/nodir/out.png: No such file or directory\n$"
 if(EXISTS /dev/full)
   expect(1 "^halfstep-plot: /dev/full: No space left on device\n$" "${WORK_DIR}/run.csv" -o /dev/full)
 endif()
-expect_report("halfstep-plot refuses what is not a trace, in one line")
+expect_report("halfstep-plot refuses what is not a trace, in one line, and says its version")

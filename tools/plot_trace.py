@@ -15,10 +15,16 @@ import itertools
 import json
 import math
 import os
+import re
 import stat
 import sys
 import textwrap
 from array import array
+
+# The version: CMake writes it in place of the placeholder when it installs this script as
+# halfstep-plot; run from the source tree, the script reads it where CMake does, from
+# include/halfstep/config.hpp.
+INSTALLED_VERSION = "@PROJECT_VERSION@"
 
 # Bounds on what is read, so that a device (/dev/urandom), a FIFO or a huge file cannot exhaust
 # the memory: a trace row is about 200 bytes, so 1 GiB holds about 5 million steps, far more than
@@ -65,6 +71,36 @@ def value(text, kind, column, number):
         what = "an integer" if kind is int else "a number"
         shown = text if len(text) <= 40 else text[:40] + "..."
         raise BadInput(f"line {number}: {column} is '{shown}', not {what}") from None
+
+
+def version():
+    """halfstep's version, or None when neither CMake wrote it here nor the source tree is around."""
+    if not INSTALLED_VERSION.startswith("@"):
+        return INSTALLED_VERSION
+    config = os.path.join(os.path.dirname(os.path.realpath(__file__)), os.pardir, "include", "halfstep", "config.hpp")
+    try:
+        with open(config, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return None
+    parts = [re.search(rf"^#define HALFSTEP_VERSION_{part} ([0-9]+)$", text, re.MULTILINE)
+             for part in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else None
+
+
+class VersionAction(argparse.Action):
+    """--version: 'halfstep-plot X.Y.Z', or exit code 1 when the version cannot be found."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        found = version()
+        if found is None:
+            fail("--version", "unknown: this copy of the script was not installed by CMake and has no "
+                              "include/halfstep/config.hpp beside it", 1)
+        print(f"halfstep-plot {found}")
+        parser.exit()
 
 
 def describe(path):
@@ -169,6 +205,7 @@ def main():
                     help="the plot to write; its extension names the format (png, pdf, svg, ...)")
     ap.add_argument("--title", default=None,
                     help="the plot's title (default: the runs that TRACE.csv.json names, else the trace's name)")
+    ap.add_argument("--version", action=VersionAction, help="print halfstep-plot's version and exit")
     args = ap.parse_args()
 
     try:
