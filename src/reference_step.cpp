@@ -80,8 +80,13 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   const std::vector<ParamTensor>& tensors() const override { return tensors_; }
   std::int64_t chunk_count() const override { return 0; }
   int launches_per_step() const override { return 0; }
-  void copy_out(void* host, const void* buffer, std::size_t bytes) override { std::memcpy(host, buffer, bytes); }
-  void copy_in(void* buffer, const void* host, std::size_t bytes) override { std::memcpy(buffer, host, bytes); }
+  // memcpy's pointers must not be null even for zero bytes (an empty tensor's buffers may be).
+  void copy_out(void* host, const void* buffer, std::size_t bytes) override {
+    if (bytes != 0) std::memcpy(host, buffer, bytes);
+  }
+  void copy_in(void* buffer, const void* host, std::size_t bytes) override {
+    if (bytes != 0) std::memcpy(buffer, host, bytes);
+  }
   void enqueue_pass(int, Stream) override {
     throw Error(ErrorKind::usage, "enqueue_pass: the reference backend has no device passes");
   }
