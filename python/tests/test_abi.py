@@ -1,6 +1,6 @@
 """The ctypes structs of halfstep._lib against the C structs of include/halfstep/halfstep.h: the
 same structs, fields, order and types as the header declares, and the offsets and sizes the C
-compiler gives them (tests/abi_layout.c, built by CMake; CTest passes its path in
+compiler gives them (tests/c/abi_layout.c, built by CMake; CTest passes its path in
 HALFSTEP_ABI_LAYOUT). A field added on one side only fails here, not in a caller's memory."""
 
 import ctypes as C
@@ -105,7 +105,7 @@ def test_the_ctypes_structs_are_laid_out_as_the_c_compiler_does():
     program = os.environ.get("HALFSTEP_ABI_LAYOUT")
     if not program:
         pytest.skip("HALFSTEP_ABI_LAYOUT is not set: no C compiler's layout of halfstep.h to compare with "
-                    "(CTest sets it to the halfstep_abi_layout program, tests/abi_layout.c)")
+                    "(CTest sets it to the halfstep_abi_layout program, tests/c/abi_layout.c)")
     out = subprocess.run([program], capture_output=True, text=True, check=True).stdout
     layouts = {s["struct"]: s for s in map(json.loads, out.splitlines())}
     assert layout_problems(layouts, header_structs(HEADER.read_text())) == []
