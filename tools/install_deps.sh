@@ -4,7 +4,7 @@
 set -euo pipefail
 packages=(cmake ninja-build g++ catch2 libbenchmark-dev libopenblas-dev pkg-config
           libboost-context-dev zlib1g-dev nlohmann-json3-dev libcli11-dev clang libclang-rt-14-dev
-          python3 python3-numpy python3-matplotlib python3-venv python3-torch python3-pytest)
+          python3 python3-numpy python3-pandas python3-matplotlib python3-venv python3-torch python3-pytest)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,7 +7,7 @@ usage: check_scenario.py SCENARIO TRACE.csv
 
 Each check states the dynamics the scenario exists to show (see halfstep-train --help). The trace
 is read as plain CSV, a header line and rows; --defaults reads it with csv.DictReader, numpy's
-genfromtxt and, where it is installed, pandas' read_csv, each with its defaults."""
+genfromtxt and pandas' read_csv, each with its defaults."""
 import csv
 import math
 import sys
@@ -129,8 +129,8 @@ def loads_with_defaults(path):
     try:
         import pandas
     except ImportError:
-        print("skip  pandas.read_csv(path): pandas is not installed")
-        return ok
+        return require(False, "pandas.read_csv(path): pandas is not installed (tools/install_deps.sh installs "
+                              "Debian's python3-pandas)") and ok
     try:
         frame = pandas.read_csv(path)
         ok &= require(list(frame.columns) == header.split(",") and list(frame["loss"]) == losses,
