@@ -3,11 +3,18 @@
 // the largest finite magnitude, and the counts of inf/NaN, subnormal and zero elements. Nothing
 // is decided here; the reduce stage of finalize adds the partials.
 //
-// The loop classifies two 16-bit values per 32-bit operation: with the magnitude m = w & 0x7FFF
-// and the exponent field e of each lane, adding a constant carries into the lane's bit 15 exactly
-// when e is all ones (inf/NaN), m is not zero, or e is not zero; the three flags are summed as
-// two 16-bit counters per word, and max.u16x2 keeps the larger finite magnitude per lane (the
-// bit patterns of non-negative floats order as their values).
+// The main loop is written for instruction issue, which bounds pass 1 on an H200 (docs/design.md,
+// "Pass 1's instruction budget"):
+// - 16-bit gradients go two to a 32-bit word: their magnitudes m = w & 0x7FFF7FFF, the largest per
+//   lane (max.u16x2: the patterns of non-negative floats order as their values), and two counts per
+//   lane in 8-bit slots of one word (adding a constant carries into a lane's bit 15 exactly when m
+//   is not zero, or when m is at least the smallest normal);
+// - inf and NaN are not counted in the loop: a thread's largest pattern says whether it read one
+//   (their patterns lie above every finite one), and only such a thread reads its elements again to
+//   count them and find its largest finite magnitude;
+// - each square is split into parts that fp64 sums exactly (exact_sum.hpp), with no branch and no
+//   select. bf16 and fp32 threads also track their smallest nonzero magnitude: a thread that read a
+//   value outside the window adds its squares again, on the slower exact path.
 #include "device.cuh"
 
 #include "cuda_check.hpp"
@@ -18,42 +25,18 @@
 namespace halfstep::detail {
 namespace {
 
-static_assert(kChunkElems / kPassThreads <= kMaxPerThread,
-              "a thread's class sums are exact for at most kMaxPerThread squares");
+// A thread reads at most kMaxPerThread gradients of a chunk. Element by element, thread t takes
+// elements t, t + kPassThreads, ...; with 16-byte loads it takes vectors t, t + kPassThreads, ...
+// (at most kChunkElems / kPassThreads elements) and the last thread also the few elements after
+// the last vector: there are such elements only in a chunk shorter than kChunkElems, where the
+// last thread holds at least one vector fewer than the most, more than the elements it adds.
+static_assert(kChunkElems / kPassThreads == kMaxPerThread, "a thread's part sums are exact for kMaxPerThread squares");
 
 __device__ inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
+__device__ inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
 
-// Adds x² to the one class sum the predicates pick: s0 when p0, else s1 when below1, else s2 —
-// or to none when !in. x has at most 24 significant bits (an fp16 or bf16 value), so the low word
-// of its fp64 form is zero and x² is exact: the device selects x's high word or zero once per
-// class and issues the same three FMAs x·a + s for every element (no branch), each rounded once —
-// which the class bounds make exact.
-__device__ __forceinline__ void add_square(double x, bool p0, bool below1, bool in, double& s0,
-                                           double& s1, double& s2) {
-#if defined(__CUDA_ARCH__)
-  const int hi = __double2hiint(x), lo = __double2loint(x);  // lo is zero
-  const int h = in ? hi : 0;
-  const int a0 = p0 ? h : 0;
-  const int a2 = below1 ? 0 : h;
-  const int a1 = h - a0 - a2;  // h in the class between, else zero
-  s0 = fma(x, __hiloint2double(a0, lo), s0);
-  s1 = fma(x, __hiloint2double(a1, lo), s1);
-  s2 = fma(x, __hiloint2double(a2, lo), s2);
-#else
-  if (!in) return;
-  const double sq = x * x;
-  if (p0) {
-    s0 += sq;
-  } else if (below1) {
-    s1 += sq;
-  } else {
-    s2 += sq;
-  }
-#endif
-}
-
-/// Adds a non-negative multiple of 2^-266 to limbs in shared memory (the bf16 squares outside the
-/// window: rare, so an atomic per digit is fine). Not inlined: the loop keeps one call.
+/// Adds a non-negative multiple of 2^-298 to limbs in shared memory (squares outside the window:
+/// rare, so an atomic per digit is fine). Not inlined: the loop keeps one call.
 __device__ HALFSTEP_NOINLINE void deposit_shared(unsigned long long* limbs, double x) {
   const LimbDeposit d = limb_deposit(x);
   if (d.index < 0) return;
@@ -63,135 +46,193 @@ __device__ HALFSTEP_NOINLINE void deposit_shared(unsigned long long* limbs, doub
   }
 }
 
+// The gradient formats: what a 32-bit word holds, and its values in fp64 (exact).
 template <DType kFormat>
-struct Classes;
+struct Grad;
 
-// fp16: three fixed classes cover every value (kernels/exact_sum.hpp).
 template <>
-struct Classes<DType::f16> {
-  static constexpr int kShift1 = 26, kShift2 = 52;
-  __device__ explicit Classes(int /*window_bottom*/) {}
-  // `lane` holds a magnitude pattern in its low 16 bits (inf/NaN only lands in s2, and a thread
-  // that saw one discards its sums).
-  __device__ void add(unsigned lane, double& s0, double& s1, double& s2) const {
-    const float x = __half2float(__ushort_as_half(static_cast<unsigned short>(lane)));
-    add_square(static_cast<double>(x), x < 0x1p-1f, x < 0x1p12f, true, s0, s1, s2);
-  }
-  // Scale factors from class sums to integers in each class's unit.
-  __device__ double inv_unit(int c) const { return c == 0 ? 0x1p48 : c == 1 ? 0x1p22 : 0x1p-4; }
-};
-
-// bf16: three classes of 16 exponents from the window's bottom; squares outside go to the limbs.
-template <>
-struct Classes<DType::bf16> {
-  static constexpr int kShift1 = 32, kShift2 = 64;
-  unsigned bottom;  // the window's bottom exponent field, in place in the high half of a word
-  double inv0;
-  __device__ explicit Classes(int window_bottom)
-      : bottom(static_cast<unsigned>(window_bottom) << 23), inv0(::ldexp(1.0, 268 - 2 * window_bottom)) {}
-  // `high` holds a magnitude pattern in its high 16 bits: the fp32 value itself. The main loop
-  // assumes every nonzero value lies in the window (zero adds nothing wherever it goes); the
-  // thread checks that assumption at the end from its smallest and largest value (in_window),
-  // and a thread for which it failed adds its values again with add_checked.
-  __device__ void add(unsigned high, double& s0, double& s1, double& s2) const {
-    const unsigned key = high - bottom;
-    add_square(static_cast<double>(__uint_as_float(high)), key < (16u << 23), key < (32u << 23), true,
-               s0, s1, s2);
-  }
-  __device__ void add_checked(unsigned high, double& s0, double& s1, double& s2,
-                              unsigned long long* spill) const {
-    const double x = static_cast<double>(__uint_as_float(high));
-    const unsigned key = high - bottom;  // wraps below the window
-    const bool in = key < (48u << 23);
-    add_square(x, key < (16u << 23), key < (32u << 23), in, s0, s1, s2);
-    if (!in && high - 1u < 0x7F7FFFFFu) deposit_shared(spill, x * x);  // finite, not zero
-  }
-  // Whether the nonzero magnitude patterns in [min_m, max_m] all lie in the window.
-  __device__ bool in_window(unsigned min_m, unsigned max_m) const {
-    return (min_m << 16) >= bottom && (max_m << 16) - bottom < (48u << 23);
-  }
-  __device__ double inv_unit(int c) const {
-    return c == 0 ? inv0 : c == 1 ? inv0 * 0x1p-32 : inv0 * 0x1p-64;
+struct Grad<DType::f16> {
+  static constexpr int kPerWord = 2;           // values per 32-bit word
+  static constexpr int kParts = 2;             // parts of each square (exact_sum.hpp)
+  static constexpr bool kWindowed = false;     // every finite value is in the split's window
+  static constexpr unsigned kInf = 0x7C00u;    // infinity's pattern; NaN's lie above it
+  static constexpr unsigned kNormal = 0x0400u; // the smallest normal's pattern
+  __device__ static void to_f64(unsigned mag, double (&x)[2]) {
+#if defined(__CUDA_ARCH__)
+    asm("{\n\t.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f64.f16 %0, lo;\n\tcvt.f64.f16 %1, hi;\n\t}"
+        : "=d"(x[0]), "=d"(x[1])
+        : "r"(mag));
+#else
+    x[0] = static_cast<double>(Format16<DType::f16>::to_float(static_cast<std::uint16_t>(mag & 0xFFFFu)));
+    x[1] = static_cast<double>(Format16<DType::f16>::to_float(static_cast<std::uint16_t>(mag >> 16)));
+#endif
   }
 };
 
-// What one thread has measured so far. Counters hold two 16-bit lanes (a thread reads at most
-// 128 elements, so neither lane can carry into the other). With m the magnitude of a lane,
-// m + 0x0400 (fp16; 0x0080 bf16) reaches bit 15 exactly when the exponent is all ones (inf/NaN),
-// m + 0x7FFF when m is not zero, m + 0x7C00 (0x7F80) when the exponent is not zero.
+template <>
+struct Grad<DType::bf16> {
+  static constexpr int kPerWord = 2;
+  static constexpr int kParts = 2;
+  static constexpr bool kWindowed = true;
+  static constexpr unsigned kInf = 0x7F80u;
+  static constexpr unsigned kNormal = 0x0080u;
+  __device__ static void to_f64(unsigned mag, double (&x)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f64.bf16 %0, lo;\n\tcvt.f64.bf16 %1, hi;\n\t}"
+        : "=d"(x[0]), "=d"(x[1])
+        : "r"(mag));
+#else  // the fp32 value's bits are the bf16 pattern's, shifted (sm_80 has no cvt.f64.bf16)
+    x[0] = static_cast<double>(__uint_as_float(mag << 16));
+    x[1] = static_cast<double>(__uint_as_float(mag & 0xFFFF0000u));
+#endif
+  }
+};
+
+template <>
+struct Grad<DType::f32> {
+  static constexpr int kPerWord = 1;
+  static constexpr int kParts = 3;
+  static constexpr bool kWindowed = true;
+  static constexpr unsigned kInf = 0x7F800000u;
+  __device__ static void to_f64(unsigned mag, double (&x)[1]) { x[0] = static_cast<double>(__uint_as_float(mag)); }
+};
+
+// The value of one magnitude pattern of the format, exactly.
+template <DType kFormat>
+__device__ inline double value_of(unsigned mag) {
+  double x[Grad<kFormat>::kPerWord];
+  Grad<kFormat>::to_f64(mag, x);  // a 16-bit pattern in the low lane
+  return x[0];
+}
+
+// Gradient elements per 16-byte vector.
+template <DType kFormat>
+inline constexpr int kPerVec = kFormat == DType::f32 ? 4 : 8;
+
+// What one thread has measured so far, 16-bit formats: two values per word, a lane each.
 template <DType kFormat>
 struct Measure {
-  using F = Format16<kFormat>;
+  using G = Grad<kFormat>;
   static constexpr unsigned kPair = 0x00010001u;   // one in each lane
   static constexpr unsigned kTop = 0x80008000u;    // bit 15 of each lane
-  double s0 = 0.0, s1 = 0.0, s2 = 0.0;
-  unsigned nonfinite = 0, nonzero = 0, exp_nonzero = 0;
+  double sum[2][G::kParts] = {};   // a set of part sums per lane: two independent chains
   unsigned max_pair = 0;           // per lane; includes inf/NaN patterns
-  unsigned min_pair = 0xFFFFFFFFu;  // per lane, of m - 1 (zero: 0xFFFF); bf16 only
+  unsigned min_pair = 0xFFFFFFFFu; // per lane, of m - 1 (zero: 0xFFFF); windowed formats only
+  unsigned counts = 0;             // 8-bit slots: lane 0 nonzero, lane 0 normal, lane 1 ..., 1 ...
+
+  __device__ explicit Measure(unsigned /*normal_bits*/) {}
 
   // Adds the two values of `w` (a single value: the low lane, the high lane zero).
-  __device__ void add_pair(unsigned w, const Classes<kFormat>& classes) {
+  __device__ void add_word(unsigned w, const SquareSplit& split) {
     const unsigned mag = w & 0x7FFF7FFFu;
-    const unsigned nz = mag + 0x7FFF7FFFu;  // lanes: 0x7FFF for zero, else 0x8000 + m - 1
-    nonfinite += ((mag + F::kExpLsb * kPair) & kTop) >> 15;
-    nonzero += (nz & kTop) >> 15;
-    exp_nonzero += ((mag + F::kExpBits * kPair) & kTop) >> 15;
     max_pair = __vmaxu2(max_pair, mag);
-    if (kFormat == DType::bf16) {
-      min_pair = __vminu2(min_pair, nz ^ kTop);
-      classes.add(mag << 16, s0, s1, s2);
-      classes.add(mag & 0xFFFF0000u, s0, s1, s2);
-    } else {
-      classes.add(mag & 0xFFFFu, s0, s1, s2);
-      classes.add(mag >> 16, s0, s1, s2);
-    }
+    const unsigned nz = mag + 0x7FFF7FFFu;                  // lanes: bit 15 set unless m is zero
+    const unsigned normal = mag + (0x8000u - G::kNormal) * kPair;  // bit 15 set from the smallest normal
+    if (G::kWindowed) min_pair = __vminu2(min_pair, nz ^ kTop);   // m - 1; zero wraps to 0xFFFF
+    counts += ((normal & kTop) | ((nz >> 8) & (kTop >> 8))) >> 7;
+    double x[2];
+    G::to_f64(mag, x);
+    add_square<G::kParts>(split, x[0], sum[0]);
+    add_square<G::kParts>(split, x[1], sum[1]);
   }
+  __device__ unsigned largest() const { return umax(max_pair & 0xFFFFu, max_pair >> 16); }
+  // The smallest nonzero magnitude, or 0x10000 if every value was zero.
+  __device__ unsigned smallest_nonzero() const { return umin(min_pair & 0xFFFFu, min_pair >> 16) + 1u; }
+  __device__ unsigned nonzero() const { return (counts & 0xFFu) + ((counts >> 16) & 0xFFu); }
+  __device__ unsigned normal() const { return ((counts >> 8) & 0xFFu) + (counts >> 24); }
+  __device__ double part(int k) const { return sum[0][k] + sum[1][k]; }  // exact: integers in range
 };
 
-// Calls f(pattern) for each 16-bit gradient thread `t` reads, in the main loop's order: a second
-// read, for the rare thread that needs one (an inf/NaN, or a bf16 square outside the window).
-template <class F>
-__device__ void for_each_element(const std::uint16_t* grad, const ChunkDesc& chunk, bool vec, int t, F f) {
-  int done = 0;
+// fp32 gradients: one value per word.
+template <>
+struct Measure<DType::f32> {
+  using G = Grad<DType::f32>;
+  double sum[G::kParts] = {};
+  unsigned max_mag = 0;            // includes inf/NaN patterns
+  unsigned min_less1 = 0xFFFFFFFFu;  // of m - 1 (zero: 0xFFFFFFFF)
+  unsigned zero = 0, below = 0;    // zeros; values below the compute format's smallest normal
+  unsigned normal_bits;
+
+  __device__ explicit Measure(unsigned normal_bits_) : normal_bits(normal_bits_) {}
+
+  __device__ void add_word(unsigned w, const SquareSplit& split) {
+    const unsigned mag = w & 0x7FFFFFFFu;
+    max_mag = umax(max_mag, mag);
+    const unsigned less1 = mag - 1u;   // bit 31 set exactly when m is zero
+    min_less1 = umin(min_less1, less1);
+    zero += less1 >> 31;
+    below += (mag - normal_bits) >> 31;  // m < normal_bits (both below 2^31)
+    double x[1];
+    G::to_f64(mag, x);
+    add_square<G::kParts>(split, x[0], sum);
+  }
+  __device__ unsigned largest() const { return max_mag; }
+  // The smallest nonzero magnitude, or 2^32 (here 0) if every value was zero.
+  __device__ unsigned smallest_nonzero() const { return min_less1 + 1u; }
+  __device__ double part(int k) const { return sum[k]; }
+};
+
+// A 32-bit word of gradients at `grad` (16-bit formats: one value, in the low lane).
+template <DType kFormat>
+__device__ inline unsigned scalar_word(const void* grad, int i) {
+  if constexpr (kFormat == DType::f32) {
+    return __ldg(static_cast<const unsigned*>(grad) + i);
+  } else {
+    return __ldg(static_cast<const std::uint16_t*>(grad) + i);
+  }
+}
+
+// Calls f(word) for the words thread `t` reads, in the main loop's order (the 16-bit words of the
+// scalar tail hold one value): a second read, for the rare thread that needs one (an inf/NaN, or
+// a value outside the window).
+template <DType kFormat, class F>
+__device__ void for_each_word(const void* grad, const ChunkDesc& chunk, bool vec, int t, F f) {
   if (vec) {
-    const int n_vec = chunk.len / kVecElems;
-    const auto* v = reinterpret_cast<const uint4*>(grad);
+    const int n_vec = chunk.len / kPerVec<kFormat>;
+    const auto* v = static_cast<const uint4*>(grad);
     for (int i = t; i < n_vec; i += kPassThreads) {
       const uint4 q = __ldg(v + i);
-      const unsigned words[4] = {q.x, q.y, q.z, q.w};
-      for (unsigned w : words) {
-        f(w & 0xFFFFu);
-        f(w >> 16);
-      }
+      f(q.x);
+      f(q.y);
+      f(q.z);
+      f(q.w);
     }
-    done = n_vec * kVecElems;
+    if (t == kPassThreads - 1) {
+      for (int i = n_vec * kPerVec<kFormat>; i < chunk.len; ++i) f(scalar_word<kFormat>(grad, i));
+    }
+    return;
   }
-  for (int i = done + t; i < chunk.len; i += kPassThreads) f(static_cast<unsigned>(__ldg(grad + i)));
+  for (int i = t; i < chunk.len; i += kPassThreads) f(scalar_word<kFormat>(grad, i));
 }
 
 template <DType kFormat>
 __global__ void __launch_bounds__(kPassThreads) check_and_norm_kernel(const Pass1Args a) {
+  using G = Grad<kFormat>;
+  constexpr int kParts = G::kParts;
   const ChunkDesc chunk = a.chunks[blockIdx.x];
   const TensorDesc& tensor = a.tensors[chunk.tensor];
-  const auto* grad = static_cast<const std::uint16_t*>(tensor.grad) + chunk.begin;
-  const int window = kFormat == DType::bf16 ? bf16_window_bottom(*a.window_hint) : 0;
-  const Classes<kFormat> classes(window);
+  if (tensor.grad == nullptr) {  // no gradient for this tensor in this step: nothing measured
+    if (threadIdx.x == 0) a.partials[blockIdx.x] = ChunkPartial{};
+    return;
+  }
+  const void* grad = static_cast<const unsigned char*>(tensor.grad) + chunk.begin * (kFormat == DType::f32 ? 4 : 2);
+  const SquareSplit split = square_split(kFormat, *a.window_hint);
+  const int t = static_cast<int>(threadIdx.x);
 
-  // bf16 squares outside the window; the last word says whether there were any.
+  // Squares outside the window; the last word says whether there were any.
   HALFSTEP_SHARED(unsigned long long[kSumLimbs + 1], spill);
-  if (kFormat == DType::bf16) {
-    for (int i = static_cast<int>(threadIdx.x); i <= kSumLimbs; i += kPassThreads) spill[i] = 0;
+  if (G::kWindowed) {
+    for (int i = t; i <= kSumLimbs; i += kPassThreads) spill[i] = 0;
     __syncthreads();
   }
 
-  Measure<kFormat> m;
-  int done = 0;
+  Measure<kFormat> m(a.normal_bits);
   if (tensor.grad_vec) {  // 16-byte loads; the chunk start keeps the tensor's alignment
-    const int n_vec = chunk.len / kVecElems;
-    const auto* vec = reinterpret_cast<const uint4*>(grad);
+    const int n_vec = chunk.len / kPerVec<kFormat>;
+    const auto* vec = static_cast<const uint4*>(grad);
     // kBatch loads are issued before any is used, so each thread keeps 64 bytes in flight.
     constexpr int kBatch = 4;
-    for (int base = static_cast<int>(threadIdx.x); base < n_vec; base += kBatch * kPassThreads) {
+    for (int base = t; base < n_vec; base += kBatch * kPassThreads) {
       uint4 q[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
@@ -201,95 +242,127 @@ __global__ void __launch_bounds__(kPassThreads) check_and_norm_kernel(const Pass
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         if (base + u * kPassThreads < n_vec) {
-          m.add_pair(q[u].x, classes);
-          m.add_pair(q[u].y, classes);
-          m.add_pair(q[u].z, classes);
-          m.add_pair(q[u].w, classes);
+          m.add_word(q[u].x, split);
+          m.add_word(q[u].y, split);
+          m.add_word(q[u].z, split);
+          m.add_word(q[u].w, split);
         }
       }
     }
-    done = n_vec * kVecElems;
-  }
-  for (int i = done + static_cast<int>(threadIdx.x); i < chunk.len; i += kPassThreads) {
-    m.add_pair(__ldg(grad + i), classes);  // the low lane; the high lane is zero
+    if (t == kPassThreads - 1) {
+      for (int i = n_vec * kPerVec<kFormat>; i < chunk.len; ++i) m.add_word(scalar_word<kFormat>(grad, i), split);
+    }
+  } else {
+    for (int i = t; i < chunk.len; i += kPassThreads) m.add_word(scalar_word<kFormat>(grad, i), split);
   }
 
-  // The thread's class sums as one integer in the lowest class's unit (each is an integer below
-  // 2^53 in its own unit; the scalings are exact powers of two). A thread that met an inf or NaN
-  // has no sum (the step will not be applied) and reads its elements again for the finite max.
-  U128 n;
-  unsigned thread_max = umax(m.max_pair & 0xFFFFu, m.max_pair >> 16);
-  if (m.nonfinite == 0) {
-    n.add_shifted(static_cast<std::uint64_t>(m.s0 * classes.inv_unit(0)), 0);
-    n.add_shifted(static_cast<std::uint64_t>(m.s1 * classes.inv_unit(1)), Classes<kFormat>::kShift1);
-    n.add_shifted(static_cast<std::uint64_t>(m.s2 * classes.inv_unit(2)), Classes<kFormat>::kShift2);
+  // The thread's part sums as integers in their units (each an integer below 2^53 in its unit;
+  // the scalings are exact powers of two). A thread that met an inf or NaN has no sum (the step
+  // will not be applied) and reads its elements again for the count and its finite max.
+  std::int64_t part[3] = {0, 0, 0};
+  unsigned thread_max = m.largest();
+  unsigned nonfinite = 0;
+  // Each 16-bit word of the scalar tail holds one value: its high lane is no element, a zero that
+  // counts neither as nonzero nor as normal, and adds nothing.
+  auto for_each_value = [&](auto f) {
+    for_each_word<kFormat>(grad, chunk, tensor.grad_vec != 0, t, [&](unsigned w) {
+      if constexpr (G::kPerWord == 2) {
+        f(w & 0x7FFFu);
+        f((w >> 16) & 0x7FFFu);
+      } else {
+        f(w & 0x7FFFFFFFu);
+      }
+    });
+  };
+  if (thread_max < G::kInf) {
+    const unsigned low = m.smallest_nonzero();
+    const bool all_zero = G::kPerWord == 2 ? low > 0xFFFFu : low == 0;
+    if (!G::kWindowed || all_zero || (low >= split.low && thread_max < split.high)) {
+      for (int k = 0; k < kParts; ++k) {
+        part[k] = static_cast<std::int64_t>(m.part(k) * ::ldexp(1.0, -split.unit_log2[k]));
+      }
+    } else {
+      // Squares in the window into part sums, the others into the block's limbs.
+      double sum[kParts] = {};
+      for_each_value([&](unsigned mag) {
+        if (mag == 0) return;
+        const double x = value_of<kFormat>(mag);
+        if (mag >= split.low && mag < split.high) {
+          add_square<kParts>(split, x, sum);
+        } else {
+          deposit_shared(spill, x * x);  // exact: at most 48 significant bits
+        }
+      });
+      for (int k = 0; k < kParts; ++k) part[k] = static_cast<std::int64_t>(sum[k] * ::ldexp(1.0, -split.unit_log2[k]));
+    }
   } else {
     thread_max = 0;
-    for_each_element(grad, chunk, tensor.grad_vec != 0, static_cast<int>(threadIdx.x), [&](unsigned bits) {
-      const unsigned mag = bits & 0x7FFFu;
-      if ((mag & Format16<kFormat>::kExpBits) != Format16<kFormat>::kExpBits) thread_max = umax(thread_max, mag);
+    for_each_value([&](unsigned mag) {
+      if (mag >= G::kInf) {
+        ++nonfinite;
+      } else {
+        thread_max = umax(thread_max, mag);
+      }
     });
   }
-  if constexpr (kFormat == DType::bf16) {
-    const unsigned lo = m.min_pair & 0xFFFFu, hi = m.min_pair >> 16;
-    const unsigned min_m = (lo < hi ? lo : hi) + 1u;  // 0x10000: no nonzero value
-    if (m.nonfinite == 0 && min_m <= 0x7FFFu && !classes.in_window(min_m, thread_max)) {
-      double s0 = 0.0, s1 = 0.0, s2 = 0.0;
-      for_each_element(grad, chunk, tensor.grad_vec != 0, static_cast<int>(threadIdx.x), [&](unsigned bits) {
-        classes.add_checked((bits & 0x7FFFu) << 16, s0, s1, s2, spill);
-      });
-      n = U128{};
-      n.add_shifted(static_cast<std::uint64_t>(s0 * classes.inv_unit(0)), 0);
-      n.add_shifted(static_cast<std::uint64_t>(s1 * classes.inv_unit(1)), Classes<kFormat>::kShift1);
-      n.add_shifted(static_cast<std::uint64_t>(s2 * classes.inv_unit(2)), Classes<kFormat>::kShift2);
-    }
+  // The two counts pass 1 keeps: 16-bit, nonzero values and normal ones (inf and NaN are both);
+  // f32, zeros and values below the compute format's smallest normal (zeros included).
+  unsigned count0, count1;
+  if constexpr (kFormat == DType::f32) {
+    count0 = m.zero;
+    count1 = m.below;
+  } else {
+    count0 = m.nonzero();
+    count1 = m.normal();
   }
 
   // Block totals: every thread parks its values, one warp adds them (integers: any order gives
   // the same bits).
-  HALFSTEP_SHARED(unsigned long long[kPassThreads], sum_lo);
-  HALFSTEP_SHARED(unsigned long long[kPassThreads], sum_hi);
+  HALFSTEP_SHARED(long long[kParts][kPassThreads], part_scratch);
   HALFSTEP_SHARED(unsigned[kPassThreads], nf_scratch);
   HALFSTEP_SHARED(unsigned[kPassThreads], nz_scratch);
-  HALFSTEP_SHARED(unsigned[kPassThreads], ez_scratch);
+  HALFSTEP_SHARED(unsigned[kPassThreads], nm_scratch);
   HALFSTEP_SHARED(unsigned[kPassThreads], max_scratch);
-  const int t = static_cast<int>(threadIdx.x);
-  sum_lo[t] = n.lo;
-  sum_hi[t] = n.hi;
-  nf_scratch[t] = (m.nonfinite & 0xFFFFu) + (m.nonfinite >> 16);
-  nz_scratch[t] = (m.nonzero & 0xFFFFu) + (m.nonzero >> 16);
-  ez_scratch[t] = (m.exp_nonzero & 0xFFFFu) + (m.exp_nonzero >> 16);
+  for (int k = 0; k < kParts; ++k) part_scratch[k][t] = part[k];
+  nf_scratch[t] = nonfinite;
+  nz_scratch[t] = count0;
+  nm_scratch[t] = count1;
   max_scratch[t] = thread_max;
   __syncthreads();
   if (t >= 32) return;
-  U128 block;
-  unsigned nonfinite = 0, nonzero = 0, exp_nonzero = 0, max_bits = 0;
+  long long block[kParts] = {};
+  unsigned nf = 0, nz = 0, nm = 0, max_bits = 0;
   for (int i = t; i < kPassThreads; i += 32) {
-    block.add(sum_lo[i], sum_hi[i]);
-    nonfinite += nf_scratch[i];
-    nonzero += nz_scratch[i];
-    exp_nonzero += ez_scratch[i];
+    for (int k = 0; k < kParts; ++k) block[k] += part_scratch[k][i];
+    nf += nf_scratch[i];
+    nz += nz_scratch[i];
+    nm += nm_scratch[i];
     max_bits = umax(max_bits, max_scratch[i]);
   }
   for (int offset = 16; offset > 0; offset >>= 1) {
-    const std::uint64_t lo = __shfl_down_sync(0xffffffffu, static_cast<unsigned long long>(block.lo), offset);
-    const std::uint64_t hi = __shfl_down_sync(0xffffffffu, static_cast<unsigned long long>(block.hi), offset);
-    block.add(lo, hi);
-    nonfinite += __shfl_down_sync(0xffffffffu, nonfinite, offset);
-    nonzero += __shfl_down_sync(0xffffffffu, nonzero, offset);
-    exp_nonzero += __shfl_down_sync(0xffffffffu, exp_nonzero, offset);
+    for (int k = 0; k < kParts; ++k) block[k] += __shfl_down_sync(0xffffffffu, block[k], offset);
+    nf += __shfl_down_sync(0xffffffffu, nf, offset);
+    nz += __shfl_down_sync(0xffffffffu, nz, offset);
+    nm += __shfl_down_sync(0xffffffffu, nm, offset);
     max_bits = umax(max_bits, __shfl_down_sync(0xffffffffu, max_bits, offset));
   }
   if (t != 0) return;
 
   ChunkPartial p{};
   p.max_bits = max_bits;
-  p.nonfinite = nonfinite;
+  p.nonfinite = nf;
   if (tensor.in_norm) {  // a tensor outside the norm adds only its inf/NaN count and its maximum
-    place_digits(block, class_unit_offset(kFormat == DType::bf16, window) % 32, p.digit);
-    p.subnormal = nonzero - exp_nonzero;
-    p.zero = static_cast<unsigned>(chunk.len) - nonzero;
-    if (kFormat == DType::bf16 && spill[kSumLimbs] != 0) {
+    std::int64_t parts[3] = {0, 0, 0};
+    for (int k = 0; k < kParts; ++k) parts[k] = block[k];
+    place_parts(split, parts, p.digit);
+    if constexpr (kFormat == DType::f32) {  // nz: zeros, nm: values below the smallest normal
+      p.subnormal = nm - nz;
+      p.zero = nz;
+    } else {  // nz: nonzero values, nm: normal ones
+      p.subnormal = nz - nm;
+      p.zero = static_cast<unsigned>(chunk.len) - nz;
+    }
+    if (G::kWindowed && spill[kSumLimbs] != 0) {
       // Normalised on the way, so each global limb gains less than 2^32 per chunk.
       unsigned long long carry = 0;
       for (int i = 0; i < kSumLimbs; ++i) {
@@ -309,10 +382,16 @@ void launch_check_and_norm(DType grad_dtype, const Pass1Args& args, std::int64_t
                            cudaStream_t stream) {
   if (n_chunks == 0) return;  // only empty tensors: finalize sees no partials
   const dim3 grid(static_cast<unsigned>(n_chunks));
-  if (grad_dtype == DType::bf16) {
-    HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, check_and_norm_kernel<DType::bf16>)(args);
-  } else {
-    HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, check_and_norm_kernel<DType::f16>)(args);
+  switch (grad_dtype) {
+    case DType::bf16:
+      HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, check_and_norm_kernel<DType::bf16>)(args);
+      break;
+    case DType::f32:
+      HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, check_and_norm_kernel<DType::f32>)(args);
+      break;
+    default:
+      HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, check_and_norm_kernel<DType::f16>)(args);
+      break;
   }
   HALFSTEP_CUDA_CHECK(cudaGetLastError());
 }

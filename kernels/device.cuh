@@ -8,6 +8,7 @@
 //                                         kernel<<<grid, block, shared_bytes, stream>>>(args...)
 //   load16<V>(p) / store16(p, v)          16-byte vector accesses; p must be 16-byte aligned
 //                                         (the emulated device checks it and faults otherwise)
+//   load8b<V>(p) / store8b(p, v)          8-byte vector accesses; p 8-byte aligned
 //   HALFSTEP_NOINLINE                     __noinline__ (a device function kept out of line)
 #pragma once
 
@@ -56,6 +57,14 @@ template <class V>
 __device__ __forceinline__ void store16(void* p, const V& v) {
   *static_cast<V*>(p) = v;
 }
+template <class V>
+__device__ __forceinline__ V load8b(const void* p) {
+  return *static_cast<const V*>(p);
+}
+template <class V>
+__device__ __forceinline__ void store8b(void* p, const V& v) {
+  *static_cast<V*>(p) = v;
+}
 #else
 template <class V>
 inline V load16(const void* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
@@ -66,6 +75,16 @@ template <class V>
 inline void store16(void* p, const V& v, const char* file = __builtin_FILE(),
                     int line = __builtin_LINE()) {
   static_assert(sizeof(V) == 16, "store16 writes 16-byte vectors");
+  ::halfstep_emu::checked_store<V>(p, v, file, line);
+}
+template <class V>
+inline V load8b(const void* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  static_assert(sizeof(V) == 8, "load8b reads 8-byte vectors");
+  return ::halfstep_emu::checked_load<V>(p, file, line);
+}
+template <class V>
+inline void store8b(void* p, const V& v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  static_assert(sizeof(V) == 8, "store8b writes 8-byte vectors");
   ::halfstep_emu::checked_store<V>(p, v, file, line);
 }
 #endif

@@ -22,14 +22,14 @@ namespace {
 
 __device__ void reduce_partials(const FinalizeArgs& a) {
   constexpr std::int64_t kNone = INT64_MAX;
-  unsigned long long digit[5] = {0, 0, 0, 0, 0};
+  unsigned long long digit[kPartialDigits] = {};
   unsigned long long nonfinite = 0, subnormal = 0, zero = 0;
   unsigned max_bits = 0;
   std::int64_t first_bad = kNone;
   for (std::int64_t i = threadIdx.x; i < a.n_chunks; i += kFinalizeThreads) {
     const ChunkPartial& q = a.partials[i];
 #pragma unroll
-    for (int k = 0; k < 5; ++k) digit[k] += q.digit[k];
+    for (int k = 0; k < kPartialDigits; ++k) digit[k] += q.digit[k];
     nonfinite += q.nonfinite;
     subnormal += q.subnormal;
     zero += q.zero;
@@ -41,7 +41,7 @@ __device__ void reduce_partials(const FinalizeArgs& a) {
   HALFSTEP_SHARED(unsigned[kFinalizeThreads / 32], max_scratch);
   HALFSTEP_SHARED(std::int64_t[kFinalizeThreads / 32], min_scratch);
 #pragma unroll
-  for (int k = 0; k < 5; ++k) digit[k] = block_reduce<kFinalizeThreads>(digit[k], Sum{}, sum_scratch);
+  for (int k = 0; k < kPartialDigits; ++k) digit[k] = block_reduce<kFinalizeThreads>(digit[k], Sum{}, sum_scratch);
   nonfinite = block_reduce<kFinalizeThreads>(nonfinite, Sum{}, sum_scratch);
   subnormal = block_reduce<kFinalizeThreads>(subnormal, Sum{}, sum_scratch);
   zero = block_reduce<kFinalizeThreads>(zero, Sum{}, sum_scratch);
@@ -49,14 +49,15 @@ __device__ void reduce_partials(const FinalizeArgs& a) {
   first_bad = block_reduce<kFinalizeThreads>(first_bad, Min{}, min_scratch);
   if (threadIdx.x != 0) return;
 
-  // Every chunk's digits start at the same limb: the lowest class unit of this launch.
-  const int window = a.bf16 ? bf16_window_bottom(*a.window_hint) : 0;
-  const int base = class_unit_offset(a.bf16 != 0, window) / 32;
+  // Every chunk's digits start at the same limb: the grid of this launch's split.
+  const int base = split_grid_offset(square_split(a.grad_dtype, *a.window_hint)) / 32;
   std::uint64_t limbs[kSumLimbs];
   for (int i = 0; i < kSumLimbs; ++i) limbs[i] = 0;
-  for (int k = 0; k < 5; ++k) limbs[base + k] = digit[k];  // each < 2^31 chunks · 2^32
+  for (int k = 0; k < kPartialDigits && base + k < kSumLimbs; ++k) {
+    limbs[base + k] = digit[k];  // each < 2^31 chunks · 2^32; digits past the limbs are zero
+  }
   limbs_normalize(limbs);
-  for (int i = 0; i < kSumLimbs; ++i) {  // bf16 squares outside the window, consumed here
+  for (int i = 0; i < kSumLimbs; ++i) {  // squares outside the window, consumed here
     limbs[i] += a.spill[i];
     a.spill[i] = 0;
   }
@@ -67,7 +68,7 @@ __device__ void reduce_partials(const FinalizeArgs& a) {
   r.sum[kSumLimbs] = nonfinite;
   r.sum[kSumLimbs + 1] = subnormal;
   r.sum[kSumLimbs + 2] = zero;
-  r.sum[kSumLimbs + 3] = static_cast<std::uint64_t>(a.numel);
+  r.sum[kSumLimbs + 3] = static_cast<std::uint64_t>(a.inputs->numel);
   r.max[0] = max_bits;
   // Chunks are ordered by tensor, so the first bad chunk belongs to the first bad tensor.
   r.max[1] = first_bad == kNone ? 0 : first_bad_key(a.rank, a.chunks[first_bad].tensor);
@@ -80,17 +81,18 @@ __device__ void decide_step(const FinalizeArgs& a) {
   HALFSTEP_SHARED(int, apply);
   if (threadIdx.x == 0) {
     const StepTotals r = *a.totals;
-    const Totals t = decode_totals(r, a.bf16 != 0);
+    const Totals t = decode_totals(r, a.grad_dtype);
     OptimizerState state = *a.state;
     StepReport report{};
     Decision decision{};
-    decide(t, state, a.decide, a.params, a.lr, a.n_groups, report, decision);
+    decide(t, state, a.decide, a.params, a.lr, a.n_groups, a.inputs->unscaled != 0, report, decision);
+    a.inputs->unscaled = 0;  // it held for this step only
     *a.state = state;
     *a.report = report;
     *a.decision = decision;
     apply = decision.apply;
     applied_step = state.step;
-    // The next step's bf16 window follows this step's largest gradient, on every rank alike.
+    // The next step's window follows this step's largest gradient, on every rank alike.
     if (t.fault == TotalsFault::none && r.max[0] != 0) *a.window_hint = static_cast<std::uint32_t>(r.max[0]);
   }
   __syncthreads();
@@ -109,6 +111,23 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const Finali
 
 __global__ void store_kernel(float* where, float value) { *where = value; }
 
+__global__ void store_group_kernel(GroupParams* where, GroupParams value, float* lr_where, float lr) {
+  *where = value;
+  *lr_where = lr;
+}
+
+__global__ void mark_unscaled_kernel(StepInputs* inputs) { inputs->unscaled = 1; }
+
+__global__ void set_grads_kernel(TensorDesc* tensors, StepInputs* inputs, const GradBatch b) {
+  for (int i = static_cast<int>(threadIdx.x); i < b.count; i += static_cast<int>(blockDim.x)) {
+    TensorDesc& d = tensors[b.first + i];
+    d.grad = b.grad[i];
+    d.grad_vec = b.flags[i] & 1u;
+    d.all_vec = (b.flags[i] >> 1) & 1u;
+  }
+  if (threadIdx.x == 0) inputs->numel = b.numel;  // every batch of one call carries the same
+}
+
 }  // namespace
 
 void launch_finalize(const FinalizeArgs& args, int stages, cudaStream_t stream) {
@@ -118,6 +137,22 @@ void launch_finalize(const FinalizeArgs& args, int stages, cudaStream_t stream) 
 
 void launch_store(float* where, float value, cudaStream_t stream) {
   HALFSTEP_LAUNCH(1, 1, 0, stream, store_kernel)(where, value);
+  HALFSTEP_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_store_group(GroupParams* where, const GroupParams& value, float* lr_where, float lr,
+                        cudaStream_t stream) {
+  HALFSTEP_LAUNCH(1, 1, 0, stream, store_group_kernel)(where, value, lr_where, lr);
+  HALFSTEP_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_mark_unscaled(StepInputs* inputs, cudaStream_t stream) {
+  HALFSTEP_LAUNCH(1, 1, 0, stream, mark_unscaled_kernel)(inputs);
+  HALFSTEP_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_set_grads(TensorDesc* tensors, StepInputs* inputs, const GradBatch& batch, cudaStream_t stream) {
+  HALFSTEP_LAUNCH(1, 256, 0, stream, set_grads_kernel)(tensors, inputs, batch);
   HALFSTEP_CUDA_CHECK(cudaGetLastError());
 }
 

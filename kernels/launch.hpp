@@ -18,9 +18,11 @@ struct Pass1Args {
   const TensorDesc* tensors;
   const ChunkDesc* chunks;
   ChunkPartial* partials;          // one per chunk
-  const std::uint32_t* window_hint;  // bf16: the previous step's largest |g| pattern
-  unsigned long long* spill;       // bf16: limbs of squares outside the window (kSumLimbs);
-                                   // the reduce stage adds them and clears them
+  const std::uint32_t* window_hint;  // the previous step's largest |g| pattern (bf16, f32: where
+                                     // the split's window lies)
+  unsigned long long* spill;       // limbs of squares outside the window (kSumLimbs); the reduce
+                                   // stage adds them and clears them
+  std::uint32_t normal_bits;       // f32: the compute format's smallest normal, as an f32 pattern
 };
 
 /// Pass 1: one block per chunk reads every gradient once and writes the chunk's partial.
@@ -39,9 +41,9 @@ struct FinalizeArgs {
   std::uint32_t* window_hint;      // read by the reduce stage, updated by the decide stage
   unsigned long long* spill;
   StepTotals* totals;              // written by the reduce stage, read by the decide stage
-  std::int64_t numel;              // elements of the tensors in the norm, on this rank
+  StepInputs* inputs;              // the step's numel (reduce) and unscaled flag (decide clears it)
   std::int32_t rank;               // this rank in the record's first-inf/NaN key
-  std::uint8_t bf16;               // the gradient format is bf16
+  DType grad_dtype;
   OptimizerState* state;
   StepReport* report;
   Decision* decision;
@@ -71,7 +73,19 @@ struct ApplyArgs {
 /// Elements held back because their update was not finite are added to report->held_elements.
 void launch_apply(const ApplyArgs& args, cudaStream_t stream);
 
-/// Writes `value` to device memory `where`, ordered on `stream` (the learning rate of a group).
+/// Writes `value` to device memory `where`, ordered on `stream` (the learning rate of a group, the
+/// loss scale).
 void launch_store(float* where, float value, cudaStream_t stream);
+
+/// Writes a group's hyperparameters and learning rate, ordered on `stream`.
+void launch_store_group(GroupParams* where, const GroupParams& value, float* lr_where, float lr,
+                        cudaStream_t stream);
+
+/// Marks the next step's gradients as already unscaled (StepInputs::unscaled), ordered on `stream`.
+void launch_mark_unscaled(StepInputs* inputs, cudaStream_t stream);
+
+/// Writes a batch of gradient pointers into the tensor table and the step's numel, ordered on
+/// `stream` (the pointers travel as kernel arguments: no staging memory, no synchronisation).
+void launch_set_grads(TensorDesc* tensors, StepInputs* inputs, const GradBatch& batch, cudaStream_t stream);
 
 }  // namespace halfstep::detail

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <math.h>
+#include <string.h>
 
 #include <cstdint>
 
@@ -17,10 +18,17 @@ namespace halfstep::detail {
 static_assert(kSumLimbs == StepTotals::kSumLimbs && StepTotals::kSumWords == kSumLimbs + 4,
               "StepTotals holds the limbs, then four counts");
 
-/// The value of a 15-bit magnitude pattern of the gradient format, exactly.
-HALFSTEP_HD inline float magnitude_value(std::uint32_t bits, bool bf16) {
+/// The value of a magnitude pattern of the gradient format (15 bits of f16 or bf16, 31 of f32),
+/// exactly.
+HALFSTEP_HD inline float magnitude_value(std::uint32_t bits, DType format) {
+  if (format == DType::f32) {
+    const std::uint32_t b = bits & 0x7FFFFFFFu;
+    float x;
+    ::memcpy(&x, &b, sizeof x);
+    return x;
+  }
   bits &= 0x7FFFu;
-  if (bf16) {
+  if (format == DType::bf16) {
     const int e = static_cast<int>(bits >> 7);
     const double significand = static_cast<double>((bits & 0x7Fu) | (e != 0 ? 0x80u : 0u));
     return static_cast<float>(::ldexp(significand, (e != 0 ? e : 1) - 134));
@@ -28,6 +36,11 @@ HALFSTEP_HD inline float magnitude_value(std::uint32_t bits, bool bf16) {
   const int e = static_cast<int>(bits >> 10);
   const double significand = static_cast<double>((bits & 0x3FFu) | (e != 0 ? 0x400u : 0u));
   return static_cast<float>(::ldexp(significand, (e != 0 ? e : 1) - 25));
+}
+
+/// The pattern of infinity in the gradient format (NaN patterns lie above it).
+HALFSTEP_HD inline std::uint32_t infinity_pattern(DType format) {
+  return format == DType::f32 ? 0x7F800000u : format == DType::bf16 ? 0x7F80u : 0x7C00u;
 }
 
 /// One more 64-bit word into a fingerprint (splitmix64's finalizer over the running value).
@@ -53,8 +66,15 @@ HALFSTEP_HD inline std::uint64_t hyperparameter_fingerprint(const GroupParams* g
     h = fingerprint_add(h, double_bits(static_cast<double>(g.eps)));
     h = fingerprint_add(h, double_bits(static_cast<double>(g.weight_decay)));
     h = fingerprint_add(h, static_cast<std::uint64_t>(g.decoupled) << 1 | g.bias_correction);
+    h = fingerprint_add(h, static_cast<std::uint64_t>(g.step_offset));
   }
   return h;
+}
+
+/// The step count a group's bias corrections use at applied step `t`: t less the steps taken
+/// before the group joined, at least 1.
+HALFSTEP_HD inline std::int64_t group_step(const GroupParams& g, std::int64_t t) {
+  return t > g.step_offset ? t - g.step_offset : 1;
 }
 
 /// Stores a rank's fingerprint in its record: MAX keeps the largest fingerprint in max[2] and the
@@ -65,15 +85,14 @@ HALFSTEP_HD inline void set_fingerprint(StepTotals& r, std::uint64_t fingerprint
 }
 
 /// Checks `r` against every rule; `t` is r decoded by decode_totals.
-HALFSTEP_HD inline TotalsFault totals_fault(const StepTotals& r, const Totals& t, bool bf16) {
+HALFSTEP_HD inline TotalsFault totals_fault(const StepTotals& r, const Totals& t, DType format) {
   constexpr std::uint64_t kSign = 0x8000000000000000ull;
   for (int i = kSumLimbs; i < StepTotals::kSumWords; ++i) {
     if (r.sum[i] >= kSign) return TotalsFault::count_past_int64;
   }
   // Both below 2^63, so the sum cannot wrap.
   if (r.sum[kSumLimbs + 1] + r.sum[kSumLimbs + 2] > r.sum[kSumLimbs + 3]) return TotalsFault::counts_past_numel;
-  const std::uint64_t exponent = bf16 ? 0x7F80u : 0x7C00u;
-  if (r.max[0] > 0x7FFFu || (r.max[0] & exponent) == exponent) return TotalsFault::max_not_finite;
+  if (r.max[0] >= infinity_pattern(format)) return TotalsFault::max_not_finite;
   if ((r.max[1] == 0) != (r.sum[kSumLimbs] == 0)) return TotalsFault::key_count_mismatch;
   if (r.max[1] != 0 && ((r.max[1] >> 32) < 0x80000000u || (r.max[1] & 0xFFFFFFFFu) < 0x80000000u)) {
     return TotalsFault::malformed_key;
@@ -89,7 +108,7 @@ HALFSTEP_HD inline TotalsFault totals_fault(const StepTotals& r, const Totals& t
 }
 
 /// Decodes a (reduced) StepTotals record into the decision's totals: Σg² rounded once to nearest.
-HALFSTEP_HD inline Totals decode_totals(const StepTotals& r, bool bf16) {
+HALFSTEP_HD inline Totals decode_totals(const StepTotals& r, DType format) {
   std::uint64_t limbs[kSumLimbs];
   for (int i = 0; i < kSumLimbs; ++i) limbs[i] = r.sum[i];
   limbs_normalize(limbs);
@@ -99,13 +118,13 @@ HALFSTEP_HD inline Totals decode_totals(const StepTotals& r, bool bf16) {
   t.subnormal = static_cast<std::int64_t>(r.sum[kSumLimbs + 1]);
   t.zero = static_cast<std::int64_t>(r.sum[kSumLimbs + 2]);
   t.numel = static_cast<std::int64_t>(r.sum[kSumLimbs + 3]);
-  t.max_abs = magnitude_value(static_cast<std::uint32_t>(r.max[0]), bf16);
+  t.max_abs = magnitude_value(static_cast<std::uint32_t>(r.max[0]), format);
   const std::uint64_t key = r.max[1];
   if (key != 0) {
     t.first_nonfinite_rank = static_cast<std::int32_t>(0xFFFFFFFFu - static_cast<std::uint32_t>(key >> 32));
     t.first_nonfinite_tensor = static_cast<std::int32_t>(0xFFFFFFFFu - static_cast<std::uint32_t>(key));
   }
-  t.fault = totals_fault(r, t, bf16);
+  t.fault = totals_fault(r, t, format);
   t.hyperparameters_agree = r.max[2] == ~r.max[3];
   return t;
 }
@@ -169,7 +188,8 @@ HALFSTEP_HD inline SkipReason range_check(double g_max, const GroupParams* group
     if ((1.0 - static_cast<double>(g.beta2)) * g_max * g_max > fp32_max) {
       return SkipReason::second_moment_exceeds_fp32;
     }
-    const double bc1 = g.bias_correction ? 1.0 - ::pow(static_cast<double>(g.beta1), static_cast<double>(t)) : 1.0;
+    const double bc1 = g.bias_correction ? 1.0 - ::pow(static_cast<double>(g.beta1), static_cast<double>(group_step(g, t)))
+                                         : 1.0;
     const float step_size = static_cast<float>(static_cast<double>(lr[i]) / bc1);
     if (!(step_size <= 3.40282347e38f)) return SkipReason::step_size_exceeds_fp32;
   }
@@ -178,12 +198,14 @@ HALFSTEP_HD inline SkipReason range_check(double g_max, const GroupParams* group
 
 /// Turns one step's totals into the outcome, the report, the decision for pass 2 and the next
 /// state. `groups` and `lr` (the learning rates as they are now, in device memory on the device)
-/// hold `n_groups` entries. Every field of `report` is written here (held_elements = 0; pass 2
-/// adds to it).
+/// hold `n_groups` entries. `unscaled`: the gradients were already divided by the loss scale
+/// (mark_unscaled), so they are unscaled by 1, and the headroom is that of the gradients times the
+/// scale. Every field of `report` is written here (held_elements = 0; pass 2 adds to it).
 HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, const DecideParams& p,
-                               const GroupParams* groups, const float* lr, std::int32_t n_groups,
+                               const GroupParams* groups, const float* lr, std::int32_t n_groups, bool unscaled,
                                StepReport& report, Decision& decision) {
   const float scale = state.scaler.scale;
+  const double divisor = unscaled ? 1.0 : static_cast<double>(scale);  // what unscales the gradients
   state.attempts = count_up(state.attempts);
   report.attempt = state.attempts;
   report.scale_used = scale;
@@ -193,11 +215,10 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
   report.nonfinite_count = totals.nonfinite;
   report.first_nonfinite_tensor = totals.first_nonfinite_tensor;
   report.first_nonfinite_rank = totals.first_nonfinite_rank;
-  report.max_abs_scaled = totals.max_abs;
-  report.headroom_log2 = totals.max_abs > 0.0f
-                             ? static_cast<float>(::log2(static_cast<double>(p.grad_format_max) /
-                                                         static_cast<double>(totals.max_abs)))
-                             : HUGE_VALF;
+  const double max_scaled = unscaled ? static_cast<double>(totals.max_abs) * scale : totals.max_abs;
+  report.max_abs_scaled = static_cast<float>(max_scaled);
+  report.headroom_log2 = max_scaled > 0.0 ? static_cast<float>(::log2(static_cast<double>(p.format_max) / max_scaled))
+                                          : HUGE_VALF;
   report.subnormal_count = totals.subnormal;
   report.zero_count = totals.zero;
   report.numel = totals.numel;
@@ -221,7 +242,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
     report.clip_coef = NAN;
   } else {
     // The norm of the unscaled gradient, from the same read that checked it.
-    const double norm = ::sqrt(totals.sum_sq) / static_cast<double>(scale);
+    const double norm = ::sqrt(totals.sum_sq) / divisor;
     double clip = 1.0;
     if (p.max_grad_norm > 0.0f) {
       clip = static_cast<double>(p.max_grad_norm) / (norm + 1e-6);
@@ -229,7 +250,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
     }
     report.grad_norm = norm;
     report.clip_coef = static_cast<float>(clip);
-    const double factor = clip / static_cast<double>(scale);
+    const double factor = clip / divisor;
     const SkipReason range = range_check(static_cast<double>(totals.max_abs) * factor, groups, lr,
                                          n_groups, count_up(state.step));
     if (range != SkipReason::none) {
@@ -259,7 +280,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
 
 /// The constants of a group for applied step `t` (>= 1), in double, rounded once to fp32.
 HALFSTEP_HD inline GroupConsts group_consts(const GroupParams& g, float lr, std::int64_t t) {
-  const double beta1 = g.beta1, beta2 = g.beta2, td = static_cast<double>(t);
+  const double beta1 = g.beta1, beta2 = g.beta2, td = static_cast<double>(group_step(g, t));
   const double bc1 = g.bias_correction ? 1.0 - ::pow(beta1, td) : 1.0;
   const double bc2 = g.bias_correction ? 1.0 - ::pow(beta2, td) : 1.0;
   GroupConsts k{};

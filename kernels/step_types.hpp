@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
+#include "exact_sum.hpp"
 #include "halfstep/distributed.hpp"
 #include "halfstep/scaler.hpp"
 #include "halfstep/spike.hpp"
@@ -19,7 +21,8 @@ inline constexpr std::int64_t kChunkElems = 32768;
 inline constexpr int kPassThreads = 256;
 /// Threads of the single finalize block.
 inline constexpr int kFinalizeThreads = 512;
-/// Elements per vector access: 16 bytes of 16-bit gradients.
+/// Elements per vector access: 16 bytes of 16-bit gradients (pass 2 reads fp32 gradients as two
+/// such accesses).
 inline constexpr int kVecElems = 8;
 
 /// One row of the tensor table.
@@ -44,13 +47,32 @@ struct ChunkDesc {
   std::int32_t len;
 };
 
+/// What a step reads besides the tables, which set_gradients and mark_unscaled write on the stream.
+struct StepInputs {
+  std::int64_t numel;      // elements of this rank's tensors in the norm that have a gradient
+  std::int32_t unscaled;   // 1: the gradients are already divided by the loss scale (one step)
+  std::int32_t pad_;
+};
+
+/// Gradient pointers per set_grads launch (its arguments stay below 4 KiB).
+inline constexpr int kGradBatch = 256;
+
+/// A batch of new gradient pointers for tensors [first, first + count) of the table.
+struct GradBatch {
+  std::int32_t first, count;
+  std::int64_t numel;                  // the step's new StepInputs::numel
+  const void* grad[kGradBatch];        // null: no gradient for that tensor
+  std::uint8_t flags[kGradBatch];      // bit 0: grad 16-byte aligned; bit 1: every buffer is
+};
+
 /// What pass 1 measured on one chunk.
 struct ChunkPartial {
-  std::uint32_t digit[5];   // Σg² of the finite scaled gradients: base-2^32 digits from limb
-                            // class_unit_offset / 32 (the same for every chunk of a launch)
-  std::uint32_t max_bits;   // the largest finite |g|, as its 16-bit pattern
+  std::uint32_t digit[kPartialDigits];  // Σg² of the finite scaled gradients: base-2^32 digits from
+                                        // limb split_grid_offset / 32 (the same for every chunk of
+                                        // a launch)
+  std::uint32_t max_bits;   // the largest finite |g|, as its pattern in the gradient format
   std::uint32_t nonfinite;  // inf and NaN elements
-  std::uint32_t subnormal;  // elements stored as subnormals
+  std::uint32_t subnormal;  // elements below the smallest normal of the compute format
   std::uint32_t zero;       // elements stored as ±0
 };
 
@@ -60,6 +82,7 @@ struct GroupParams {
   float beta1, beta2, eps, weight_decay;
   std::uint8_t decoupled, bias_correction;
   std::uint8_t pad_[2];
+  std::int64_t step_offset;  // AdamWConfig::step_offset
 };
 
 /// Per-step constants of a group, computed by finalize from the applied-step counter.
@@ -112,7 +135,8 @@ struct DecideParams {
   ScalerConfig scaler;
   SpikeConfig spike;
   float max_grad_norm;
-  float grad_format_max;  // largest finite value of the gradient format
+  float format_max;       // largest finite value of the format the gradients were computed in
+                          // (the headroom is measured against it)
   bool device_scaler;     // run the scaler transition here (device-resident mode)
 };
 
@@ -120,7 +144,22 @@ struct DecideParams {
 inline GroupParams group_params(const AdamWConfig& h) {
   return GroupParams{h.beta1, h.beta2, h.eps, h.weight_decay,
                      static_cast<std::uint8_t>(h.decoupled_weight_decay ? 1 : 0),
-                     static_cast<std::uint8_t>(h.bias_correction ? 1 : 0), {0, 0}};
+                     static_cast<std::uint8_t>(h.bias_correction ? 1 : 0), {0, 0}, h.step_offset};
+}
+
+/// The bit pattern of an fp32 value.
+inline std::uint32_t f32_pattern(float x) {
+  std::uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+/// The first step's window hint (exact_sum.hpp): gradients near the initial loss scale, as a
+/// magnitude pattern of the gradient format (any value is correct; the window follows the largest
+/// gradient from then on).
+inline std::uint32_t initial_window_hint(const StepConfig& c) {
+  if (c.grad_dtype == DType::f32) return f32_pattern(c.scaler.init_scale) & 0x7FFFFFFFu;
+  return to_bits16(DType::bf16, c.scaler.init_scale) & 0x7FFFu;
 }
 
 /// What decide() needs from the step's configuration.
@@ -129,7 +168,7 @@ inline DecideParams decide_params(const StepConfig& c) {
   p.scaler = c.scaler;
   p.spike = c.spike;
   p.max_grad_norm = c.max_grad_norm;
-  p.grad_format_max = format_info(c.grad_dtype).max;
+  p.format_max = format_info(measured_dtype(c)).max;
   p.device_scaler = !c.host_driven;
   return p;
 }

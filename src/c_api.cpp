@@ -78,10 +78,12 @@ halfstep::StepConfig step_config(const halfstep_group* groups, int32_t n_groups,
     h.weight_decay = groups[g].weight_decay;
     h.decoupled_weight_decay = groups[g].decoupled_weight_decay != 0;
     h.bias_correction = groups[g].bias_correction != 0;
+    h.step_offset = groups[g].step_offset;
     s.groups.push_back(h);
   }
   s.grad_dtype = dtype(c.grad_dtype, "halfstep_config.grad_dtype");
   s.model_dtype = dtype(c.model_dtype, "halfstep_config.model_dtype");
+  s.compute_dtype = dtype(c.compute_dtype, "halfstep_config.compute_dtype");
   s.max_grad_norm = c.max_grad_norm;
   s.host_driven = c.host_driven != 0;
   s.scaler.init_scale = c.init_scale;
@@ -114,6 +116,7 @@ void halfstep_config_init(halfstep_config* c) {
   std::memset(c, 0, sizeof *c);
   c->grad_dtype = HALFSTEP_F16;
   c->model_dtype = HALFSTEP_F16;
+  c->compute_dtype = static_cast<int32_t>(s.compute_dtype);
   c->backend = HALFSTEP_BACKEND_CUDA;
   c->max_grad_norm = s.max_grad_norm;
   c->init_scale = s.scaler.init_scale;
@@ -141,6 +144,7 @@ void halfstep_group_init(halfstep_group* g) {
   g->weight_decay = h.weight_decay;
   g->decoupled_weight_decay = h.decoupled_weight_decay ? 1 : 0;
   g->bias_correction = h.bias_correction ? 1 : 0;
+  g->step_offset = h.step_offset;
 }
 
 halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
@@ -254,6 +258,45 @@ halfstep_status halfstep_set_lr(halfstep_optimizer* opt, int32_t group, float lr
   });
 }
 
+halfstep_status halfstep_set_group(halfstep_optimizer* opt, int32_t group, const halfstep_group* h, void* stream) {
+  return guarded([&] {
+    require(opt != nullptr && h != nullptr, "opt and group must not be NULL");
+    halfstep::AdamWConfig c;
+    c.lr = h->lr;
+    c.beta1 = h->beta1;
+    c.beta2 = h->beta2;
+    c.eps = h->eps;
+    c.weight_decay = h->weight_decay;
+    c.decoupled_weight_decay = h->decoupled_weight_decay != 0;
+    c.bias_correction = h->bias_correction != 0;
+    c.step_offset = h->step_offset;
+    opt->opt.set_group(group, c, static_cast<halfstep::Stream>(stream));
+  });
+}
+
+halfstep_status halfstep_set_gradients(halfstep_optimizer* opt, const void* const* grads, int64_t n_tensors,
+                                       void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    require(n_tensors >= 0 && (grads != nullptr || n_tensors == 0), "grads must point to n_tensors >= 0 pointers");
+    opt->opt.set_gradients(std::vector<const void*>(grads, grads + n_tensors), static_cast<halfstep::Stream>(stream));
+  });
+}
+
+halfstep_status halfstep_mark_unscaled(halfstep_optimizer* opt, void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.mark_unscaled(static_cast<halfstep::Stream>(stream));
+  });
+}
+
+halfstep_status halfstep_set_loss_scale(halfstep_optimizer* opt, float scale, void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.set_loss_scale(scale, static_cast<halfstep::Stream>(stream));
+  });
+}
+
 halfstep_status halfstep_loss_scale(halfstep_optimizer* opt, float* out) {
   return guarded([&] {
     require(opt != nullptr && out != nullptr, "opt and out must not be NULL");
@@ -351,6 +394,27 @@ halfstep_status halfstep_get_state(halfstep_optimizer* opt, halfstep_state* out)
     out->spike_consecutive = s.spike.consecutive;
     out->step = s.step;
     out->attempts = s.attempts;
+  });
+}
+
+halfstep_status halfstep_set_state(halfstep_optimizer* opt, const halfstep_state* in) {
+  return guarded([&] {
+    require(opt != nullptr && in != nullptr, "opt and state must not be NULL");
+    halfstep::OptimizerState s;
+    s.scaler.scale = in->scale;
+    s.scaler.good_steps = in->good_steps;
+    s.scaler.hysteresis_left = in->hysteresis_left;
+    s.scaler.overflows = in->overflows;
+    s.scaler.growths = in->growths;
+    s.scaler.backoffs = in->backoffs;
+    s.spike.mean = in->spike_mean;
+    s.spike.var = in->spike_var;
+    s.spike.seen = in->spike_seen;
+    s.spike.spikes = in->spikes;
+    s.spike.consecutive = in->spike_consecutive;
+    s.step = in->step;
+    s.attempts = in->attempts;
+    opt->opt.set_state(s);
   });
 }
 

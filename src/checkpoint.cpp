@@ -1,9 +1,11 @@
-// Checkpoint format, version 2:
+// Checkpoint format, version 3 (version 2 is read too):
 //   "HSTP" | u32 version | u32 payload bytes | payload | u32 CRC-32 (zlib) of everything before it
 // Payload, little-endian: the fields listed in visit_state, then those in visit_config, the number
 // of groups (u32), then each group's fields as listed in visit_group, in that order, each as its
 // type says (Wire below): float and double as their f32 and f64 bits, int32_t and int64_t as i32
 // and i64, and bool, DType and the spike action as one byte (0 or 1; the DType's code; 1: skip).
+// A field new in a version is absent from older ones (Field::since); reading those, it keeps its
+// default.
 #include "halfstep/checkpoint.hpp"
 
 #include <zlib.h>
@@ -85,9 +87,10 @@ struct Wire<DType> {
   static std::uint64_t bits(DType x) { return static_cast<std::uint8_t>(x); }
   static DType value(std::uint64_t stored) { return static_cast<DType>(stored); }
   static bool valid(std::uint64_t stored) {
-    return stored == static_cast<std::uint8_t>(DType::f16) || stored == static_cast<std::uint8_t>(DType::bf16);
+    return stored == static_cast<std::uint8_t>(DType::f16) || stored == static_cast<std::uint8_t>(DType::bf16) ||
+           stored == static_cast<std::uint8_t>(DType::f32);
   }
-  static constexpr const char* rule = " must be f16 or bf16, got code ";
+  static constexpr const char* rule = " must be f16, bf16 or f32, got code ";
 };
 
 template <>
@@ -106,7 +109,11 @@ struct Wire<SpikeConfig::Action> : Wire<bool> {  // the flag "is skip"
 struct Field {
   const char* name;
   const char* must_match_because = nullptr;
+  std::uint32_t since = 2;  ///< the first format version that holds it
 };
+
+/// The versions decode_state reads.
+constexpr std::uint32_t kOldestVersion = 2;
 
 // What a checkpoint holds, each field once, in the order of the format. Each function calls
 // v.field(Field, x...) with that field of every object given: the Writer and the Sizer visit one
@@ -135,6 +142,7 @@ template <class V, class... C>
 void visit_config(V& v, C&... c) {
   v.field({"grad_dtype", "the scaler's state is for its range"}, c.grad_dtype...);
   v.field({"model_dtype", "the model copies are in it"}, c.model_dtype...);
+  v.field({"compute_dtype", nullptr, 3}, c.compute_dtype...);
   v.field({"max_grad_norm"}, c.max_grad_norm...);
   const char* scaler = "the scaler's state follows its rules";
   v.field({"ScalerConfig.init_scale"}, c.scaler.init_scale...);
@@ -159,25 +167,32 @@ void visit_config(V& v, C&... c) {
 
 // One group. The names are completed by the visitor: "AdamWConfig.beta1" when decoding,
 // "groups[1].beta1" when matching.
+// lr, the betas, eps, weight_decay and step_offset are the values in force at save time (set_lr,
+// set_group), which load_state restores; the two flags are fixed at construction.
 template <class V, class... G>
 void visit_group(V& v, G&... g) {
   const char* built = "the moments and bias correction were built with it";
   v.field({"lr"}, g.lr...);
-  v.field({"beta1", built}, g.beta1...);
-  v.field({"beta2", built}, g.beta2...);
+  v.field({"beta1"}, g.beta1...);
+  v.field({"beta2"}, g.beta2...);
   v.field({"eps"}, g.eps...);
   v.field({"weight_decay"}, g.weight_decay...);
   v.field({"decoupled_weight_decay", built}, g.decoupled_weight_decay...);
   v.field({"bias_correction", built}, g.bias_correction...);
+  v.field({"step_offset", nullptr, 3}, g.step_offset...);
 }
 
 class Sizer {
  public:
+  explicit Sizer(std::uint32_t version) : version_(version) {}
   template <class T>
-  void field(const Field&, const T&) {
-    bytes += Wire<T>::bytes;
+  void field(const Field& f, const T&) {
+    if (f.since <= version_) bytes += Wire<T>::bytes;
   }
   std::size_t bytes = 0;
+
+ private:
+  std::uint32_t version_;
 };
 
 // The payload's parts: the state, the configuration and the group count; then each group.
@@ -186,23 +201,20 @@ struct Sizes {
   std::size_t group;
 };
 
-const Sizes& sizes() {
-  static const Sizes s = [] {
-    const OptimizerState state{};
-    const StepConfig config;
-    Sizer fixed, group;
-    visit_state(fixed, state);
-    visit_config(fixed, config);
-    visit_group(group, config.groups.front());
-    return Sizes{fixed.bytes + kGroupCountBytes, group.bytes};
-  }();
-  return s;
+Sizes sizes(std::uint32_t version) {
+  const OptimizerState state{};
+  const StepConfig config;
+  Sizer fixed(version), group(version);
+  visit_state(fixed, state);
+  visit_config(fixed, config);
+  visit_group(group, config.groups.front());
+  return Sizes{fixed.bytes + kGroupCountBytes, group.bytes};
 }
 
 class Writer {
  public:
   template <class T>
-  void field(const Field&, const T& x) {
+  void field(const Field&, const T& x) {  // every field: it writes the current version
     put(Wire<T>::bits(x), Wire<T>::bytes);
   }
   void bytes(const void* p, std::size_t n) { out_.append(static_cast<const char*>(p), n); }
@@ -220,9 +232,10 @@ class Writer {
 // not accept are refused, naming it (prefixed with `scope`).
 class Reader {
  public:
-  explicit Reader(std::string_view in) : in_(in) {}
+  explicit Reader(std::string_view in, std::uint32_t version = kStateFormatVersion) : in_(in), version_(version) {}
   template <class T>
   void field(const Field& f, T& x) {
+    if (f.since > version_) return;  // not in this version: x keeps its default
     const std::uint64_t stored = take(Wire<T>::bytes);
     if (!Wire<T>::valid(stored)) corrupt(detail::concat(scope, f.name, Wire<T>::rule, stored));
     x = Wire<T>::value(stored);
@@ -240,6 +253,7 @@ class Reader {
   }
   std::string_view in_;
   std::size_t pos_ = 0;
+  std::uint32_t version_;
 };
 
 // Floats compared by value, so that the same number written two ways matches; NaN never occurs in
@@ -289,7 +303,8 @@ std::string encode_state(const OptimizerState& s, const StepConfig& c) {
   Writer w;
   w.bytes(kMagic, 4);
   w.u32(kStateFormatVersion);
-  w.u32(static_cast<std::uint32_t>(sizes().fixed + sizes().group * c.groups.size()));
+  const Sizes size = sizes(kStateFormatVersion);
+  w.u32(static_cast<std::uint32_t>(size.fixed + size.group * c.groups.size()));
   visit_state(w, s);
   visit_config(w, c);
   w.u32(static_cast<std::uint32_t>(c.groups.size()));
@@ -306,14 +321,15 @@ SavedState decode_state(std::string_view bytes) {
   if (std::memcmp(bytes.data(), kMagic, 4) != 0) corrupt("wrong magic (not a halfstep state)");
   Reader header(bytes.substr(4));
   const std::uint32_t version = header.u32();
-  if (version != kStateFormatVersion) {
-    corrupt(detail::concat("unknown format version ", version, " (this build reads version ",
-                           kStateFormatVersion,
+  if (version < kOldestVersion || version > kStateFormatVersion) {
+    corrupt(detail::concat("unknown format version ", version, " (this build reads versions ", kOldestVersion,
+                           " to ", kStateFormatVersion,
                            version == 1 ? "; version 1 recorded no configuration and cannot be checked" : "",
                            ")"));
   }
+  const Sizes size = sizes(version);
   const std::uint32_t payload = header.u32();
-  if (payload < sizes().fixed || bytes.size() != kHeaderBytes + std::size_t{payload} + 4) {
+  if (payload < size.fixed || bytes.size() != kHeaderBytes + std::size_t{payload} + 4) {
     corrupt(detail::concat("size mismatch: ", bytes.size(), " bytes with a declared payload of ",
                            payload, " (a checkpoint is the payload + ", kHeaderBytes + 4, " bytes)"));
   }
@@ -321,12 +337,12 @@ SavedState decode_state(std::string_view bytes) {
   if (checksum(bytes.data(), body) != Reader(bytes.substr(body)).u32()) {
     corrupt("checksum mismatch (corrupted bytes)");
   }
-  const std::uint64_t n_groups = Reader(bytes.substr(kHeaderBytes + sizes().fixed - kGroupCountBytes)).u32();
-  if (n_groups > kMaxGroups || payload != sizes().fixed + sizes().group * n_groups) {
+  const std::uint64_t n_groups = Reader(bytes.substr(kHeaderBytes + size.fixed - kGroupCountBytes)).u32();
+  if (n_groups > kMaxGroups || payload != size.fixed + size.group * n_groups) {
     corrupt(detail::concat("the payload of ", payload, " bytes does not hold ", n_groups, " groups"));
   }
 
-  Reader r(bytes.substr(kHeaderBytes));
+  Reader r(bytes.substr(kHeaderBytes), version);
   SavedState out;
   visit_state(r, out.state);
   visit_config(r, out.config);
@@ -354,16 +370,6 @@ SavedState load_state(std::string_view bytes, const StepConfig& config) {
     const std::string at = detail::concat("groups[", g, "].");
     Matcher group(at);
     visit_group(group, a.groups[g], b.groups[g]);
-    // The restored learning rate meets this config's weight decay.
-    AdamWConfig restored = b.groups[g];
-    restored.lr = a.groups[g].lr;
-    try {
-      restored.validate();
-    } catch (const Error& e) {
-      throw Error(ErrorKind::corrupt_state,
-                  detail::concat("halfstep state checkpoint does not fit this StepConfig: the restored ",
-                                 at, "lr with this weight_decay: ", e.what()));
-    }
   }
   try {
     validate_state(saved.state, config);

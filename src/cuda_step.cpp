@@ -2,6 +2,7 @@
 // orchestration of one step — pass 1, finalize, pass 2 and the asynchronous report copy.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "check.hpp"
@@ -69,7 +70,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     n_chunks_ = static_cast<std::int64_t>(table.chunks.size());
     chunks_ = table.chunks;
     make_workspace(table);
-    bind_kernel_args(table.numel_in_norm);
+    bind_kernel_args();
     HALFSTEP_CUDA_CHECK(cudaMallocHost(&pinned_.ptr, sizeof(StepReport) + sizeof(ScalerState)));
     // attempt = 0 marks "no step has run": every step's report has attempt >= 1.
     std::memset(pinned_.ptr, 0, sizeof(StepReport) + sizeof(ScalerState));
@@ -163,14 +164,56 @@ class CudaImpl final : public FusedAdamW::Impl {
     return lr;
   }
 
-  void restore(const OptimizerState& s, const std::vector<float>& lr) override {
+  void restore(const OptimizerState& s, const std::vector<AdamWConfig>& groups) override {
     if (config_.host_driven) scaler_.set_state(s.scaler);  // validated already: cannot throw here
     wait_last_step();
     write_state(s);
-    upload(ws_.lr, lr.data(), lr.size());
+    config_.groups = groups;
+    upload_groups();
     settle_uploads();
-    for (std::size_t g = 0; g < lr.size(); ++g) config_.groups[g].lr = lr[g];
     attempts_ = s.attempts;
+  }
+
+  void set_group(std::int32_t group, const AdamWConfig& h, Stream stream) override {
+    const auto g = static_cast<std::size_t>(group);
+    launch_store_group(ws_.params + g, group_params(h), ws_.lr + g, h.lr, stream);
+    config_.groups[g] = h;
+  }
+
+  void set_gradients(const std::vector<const void*>& grads, Stream stream) override {
+    std::vector<ParamTensor> next = tensors_;
+    for (std::size_t t = 0; t < grads.size(); ++t) {
+      if (grads[t] != tensors_[t].grad) require_device_buffer(grads[t], tensors_[t].numel, t, "grad", device_);
+      next[t].grad = grads[t];
+    }
+    const std::int64_t numel = numel_in_norm(next);
+    // Every batch goes, also the unchanged: one call leaves the table as `grads` say.
+    GradBatch batch{};
+    batch.numel = numel;
+    for (std::size_t first = 0; first < next.size() || first == 0; first += kGradBatch) {
+      batch.first = static_cast<std::int32_t>(first);
+      batch.count = static_cast<std::int32_t>(std::min<std::size_t>(kGradBatch, next.size() - first));
+      for (int i = 0; i < batch.count; ++i) {
+        const ParamTensor& p = next[first + static_cast<std::size_t>(i)];
+        batch.grad[i] = p.numel > 0 ? p.grad : nullptr;
+        batch.flags[i] = static_cast<std::uint8_t>((p.grad != nullptr && reinterpret_cast<std::uintptr_t>(p.grad) % 16 == 0 ? 1 : 0) |
+                                                   (all_aligned(p) ? 2 : 0));
+      }
+      launch_set_grads(ws_.tensors, ws_.inputs, batch, stream);
+      if (next.empty()) break;
+    }
+    tensors_ = std::move(next);
+  }
+
+  void mark_unscaled(Stream stream) override { launch_mark_unscaled(ws_.inputs, stream); }
+
+  void set_loss_scale(float scale, Stream stream) override {
+    if (config_.host_driven) {
+      ScalerState s = scaler_.state();
+      s.scale = scale;
+      scaler_.set_state(s);
+    }
+    launch_store(&ws_.state->scaler.scale, scale, stream);
   }
 
   const StepConfig& config() const override { return config_; }
@@ -240,28 +283,34 @@ class CudaImpl final : public FusedAdamW::Impl {
     HALFSTEP_CUDA_CHECK(cudaMalloc(&workspace_.ptr, layout.bytes));
     HALFSTEP_CUDA_CHECK(cudaMemset(workspace_.ptr, 0, layout.bytes));
     ws_ = Workspace::in(workspace_.ptr, layout);
-    std::vector<GroupParams> params(n_groups);
-    std::vector<float> lr(n_groups);
-    for (std::size_t g = 0; g < n_groups; ++g) {
-      params[g] = group_params(config_.groups[g]);
-      lr[g] = config_.groups[g].lr;
-    }
     upload(ws_.tensors, table.tensors.data(), n_tensors_);
     upload(ws_.chunks, table.chunks.data(), table.chunks.size());
-    upload(ws_.params, params.data(), n_groups);
-    upload(ws_.lr, lr.data(), n_groups);
+    upload_groups();
+    const StepInputs inputs{table.numel_in_norm, 0, 0};
+    upload(ws_.inputs, &inputs, 1);
     write_state(OptimizerState::initial(config_));
-    // bf16's first window: gradients near the initial loss scale (any value is correct).
-    const std::uint32_t hint = to_bits16(DType::bf16, config_.scaler.init_scale) & 0x7FFFu;
+    const std::uint32_t hint = initial_window_hint(config_);
     upload(ws_.window_hint, &hint, 1);
   }
 
+  // Every group's hyperparameters and learning rate, as config_ holds them.
+  void upload_groups() {
+    std::vector<GroupParams> params;
+    std::vector<float> lr;
+    for (const AdamWConfig& h : config_.groups) {
+      params.push_back(group_params(h));
+      lr.push_back(h.lr);
+    }
+    upload(ws_.params, params.data(), params.size());
+    upload(ws_.lr, lr.data(), lr.size());
+  }
+
   // The three passes' arguments, over the workspace.
-  void bind_kernel_args(std::int64_t numel_in_norm) {
-    pass1_ = Pass1Args{ws_.tensors, ws_.chunks, ws_.partials, ws_.window_hint, ws_.spill};
+  void bind_kernel_args() {
+    pass1_ = Pass1Args{ws_.tensors, ws_.chunks, ws_.partials, ws_.window_hint, ws_.spill,
+                       f32_pattern(format_info(measured_dtype(config_)).min_normal)};
     finalize_ = FinalizeArgs{ws_.partials, ws_.chunks, n_chunks_, ws_.window_hint, ws_.spill, ws_.totals,
-                             numel_in_norm, dist_.rank,
-                             static_cast<std::uint8_t>(config_.grad_dtype == DType::bf16 ? 1 : 0),
+                             ws_.inputs, dist_.rank, config_.grad_dtype,
                              ws_.state, ws_.report, ws_.decision, ws_.params, ws_.lr, ws_.consts,
                              static_cast<std::int32_t>(config_.groups.size()), decide_params(config_)};
     apply_ = ApplyArgs{config_.grad_dtype, config_.model_dtype, ws_.tensors, ws_.chunks, n_chunks_,

@@ -18,10 +18,9 @@ void combine(StepTotals& into, const StepTotals& other) {
 }
 
 TotalsSummary summarize(const StepTotals& totals, DType grad_dtype) {
-  detail::require(grad_dtype == DType::f16 || grad_dtype == DType::bf16,
-                  "grad_dtype must be f16 or bf16, got ", dtype_name(grad_dtype));
-  const bool bf16 = grad_dtype == DType::bf16;
-  const detail::Totals t = detail::decode_totals(totals, bf16);
+  detail::require(grad_dtype == DType::f16 || grad_dtype == DType::bf16 || grad_dtype == DType::f32,
+                  "grad_dtype must be f16, bf16 or f32, got code ", static_cast<int>(grad_dtype));
+  const detail::Totals t = detail::decode_totals(totals, grad_dtype);
   constexpr int n = StepTotals::kSumLimbs;
   switch (t.fault) {  // the rules the step checks before it acts on a record, by name
     case detail::TotalsFault::none: break;
@@ -48,7 +47,10 @@ TotalsSummary summarize(const StepTotals& totals, DType grad_dtype) {
 }
 
 Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
-            const ParamTensor& flat) {
+            const ParamTensor& flat, DType grad_dtype) {
+  detail::require(grad_dtype == DType::f16 || grad_dtype == DType::bf16 || grad_dtype == DType::f32,
+                  "grad_dtype must be f16, bf16 or f32, got code ", static_cast<int>(grad_dtype));
+  const auto grad_bytes = static_cast<std::int64_t>(element_size(grad_dtype));
   std::int64_t total = 0;
   for (std::size_t t = 0; t < layout.size(); ++t) {
     detail::require(layout[t].numel >= 0, "layout[", t, "].numel must be >= 0, got ", layout[t].numel);
@@ -68,7 +70,7 @@ Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int
       const std::int64_t into_flat = lo - begin;
       ParamTensor p = layout[t];
       p.master = flat.master + into_flat;
-      p.grad = static_cast<const std::uint16_t*>(flat.grad) + into_flat;
+      p.grad = static_cast<const unsigned char*>(flat.grad) + into_flat * grad_bytes;
       p.exp_avg = flat.exp_avg + into_flat;
       p.exp_avg_sq = flat.exp_avg_sq + into_flat;
       p.model = flat.model != nullptr ? static_cast<std::uint16_t*>(flat.model) + into_flat : nullptr;

@@ -32,6 +32,7 @@ FusedAdamW::FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig
                   static_cast<int>(backend));
   impl_ = backend == Backend::cuda ? detail::make_cuda_impl(tensors, config, distributed)
                                    : detail::make_reference_impl(tensors, config, distributed);
+  impl_->written = detail::written_spans(tensors, config);
   backend_ = backend;
   distributed_ = distributed;
 }
@@ -59,15 +60,61 @@ StepReport FusedAdamW::last_report() { return impl().last_report(); }
 std::vector<std::int64_t> FusedAdamW::nonfinite_counts() { return impl().nonfinite_counts(); }
 void FusedAdamW::set_lr(std::int32_t group, float lr, Stream stream) { impl().set_lr(group, lr, stream); }
 float* FusedAdamW::device_lr(std::int32_t group) { return impl().device_lr(group); }
+
+void FusedAdamW::set_group(std::int32_t group, const AdamWConfig& h, Stream stream) {
+  Impl& i = impl();
+  detail::check_group(i.config(), group);
+  const AdamWConfig& built = i.config().groups[static_cast<std::size_t>(group)];
+  try {
+    h.validate();
+  } catch (const Error& e) {
+    throw Error(ErrorKind::invalid_argument, detail::concat("set_group(", group, "): ", e.what()));
+  }
+  detail::require(h.decoupled_weight_decay == built.decoupled_weight_decay && h.bias_correction == built.bias_correction,
+                  "set_group(", group, "): decoupled_weight_decay and bias_correction are fixed at construction (",
+                  built.decoupled_weight_decay, ", ", built.bias_correction, "), got ", h.decoupled_weight_decay, ", ",
+                  h.bias_correction);
+  i.set_group(group, h, stream);
+}
+
+void FusedAdamW::set_gradients(const std::vector<const void*>& grads, Stream stream) {
+  Impl& i = impl();
+  detail::validate_gradients(i.tensors(), i.config(), i.written, grads);
+  i.set_gradients(grads, stream);
+}
+
+void FusedAdamW::mark_unscaled(Stream stream) { impl().mark_unscaled(stream); }
+
+void FusedAdamW::set_loss_scale(float scale, Stream stream) {
+  Impl& i = impl();
+  const ScalerConfig& c = i.config().scaler;
+  detail::require(detail::finite(scale) && scale >= c.min_scale && scale <= c.max_scale,
+                  "set_loss_scale: the scale must be finite and in [min_scale, max_scale] = [", c.min_scale, ", ",
+                  c.max_scale, "], got ", scale);
+  i.set_loss_scale(scale, stream);
+}
 const float* FusedAdamW::device_loss_scale() const { return impl().device_loss_scale(); }
 const std::int64_t* FusedAdamW::device_step_count() const { return impl().device_step_count(); }
 float FusedAdamW::loss_scale() { return impl().state().scaler.scale; }
 OptimizerState FusedAdamW::state() { return impl().state(); }
 std::vector<float> FusedAdamW::learning_rates() { return impl().learning_rates(); }
 
+void FusedAdamW::set_state(const OptimizerState& state) {
+  Impl& i = impl();
+  try {
+    validate_state(state, i.config());
+  } catch (const Error& e) {
+    throw Error(ErrorKind::invalid_argument, std::string("set_state: ") + e.what());
+  }
+  std::vector<AdamWConfig> groups = i.config().groups;  // with the rates as the next step reads them
+  const std::vector<float> lr = i.learning_rates();
+  for (std::size_t g = 0; g < groups.size(); ++g) groups[g].lr = lr[g];
+  i.restore(state, groups);
+}
+
 std::string FusedAdamW::save_state() {
   Impl& i = impl();
-  StepConfig c = i.config();
+  StepConfig c = i.config();  // the groups' hyperparameters as set_group left them
   const std::vector<float> lr = i.learning_rates();
   for (std::size_t g = 0; g < lr.size(); ++g) c.groups[g].lr = lr[g];
   try {
@@ -80,9 +127,7 @@ std::string FusedAdamW::save_state() {
 void FusedAdamW::load_state(std::string_view bytes) {
   Impl& i = impl();
   const SavedState saved = halfstep::load_state(bytes, i.config());  // throws before anything changes
-  std::vector<float> lr;
-  for (const AdamWConfig& h : saved.config.groups) lr.push_back(h.lr);
-  i.restore(saved.state, lr);
+  i.restore(saved.state, saved.config.groups);
 }
 
 const StepConfig& FusedAdamW::config() const { return impl().config(); }

@@ -8,6 +8,27 @@
 #include "halfstep/fused_adamw.hpp"
 
 namespace halfstep {
+namespace detail {
+
+/// The buffers a step writes (masters, moments, model copies), sorted by address and disjoint
+/// (validate checked that at construction), for set_gradients' overlap check.
+struct WrittenSpans {
+  struct Span {
+    std::uintptr_t begin, end;  // [begin, end)
+    std::size_t tensor;
+    const char* field;
+  };
+  std::vector<Span> spans;
+};
+WrittenSpans written_spans(const std::vector<ParamTensor>& tensors, const StepConfig& config);
+
+/// Throws halfstep::Error naming the entry and the rule unless `grads` can replace the gradients
+/// of `tensors`: one per tensor, each null or aligned to the gradient format's element size, none
+/// overlapping another or a buffer the step writes.
+void validate_gradients(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+                        const WrittenSpans& written, const std::vector<const void*>& grads);
+
+}  // namespace detail
 
 struct FusedAdamW::Impl {
   virtual ~Impl() = default;
@@ -24,8 +45,9 @@ struct FusedAdamW::Impl {
   virtual OptimizerState state() = 0;
   /// The learning rate of each group as the next step will read it (waits for the last step).
   virtual std::vector<float> learning_rates() = 0;
-  /// Replaces the state and the learning rates (checked by halfstep::load_state before).
-  virtual void restore(const OptimizerState& state, const std::vector<float>& lr) = 0;
+  /// Replaces the state and every group's hyperparameters (checked by halfstep::load_state
+  /// before: the groups' flags are this optimizer's).
+  virtual void restore(const OptimizerState& state, const std::vector<AdamWConfig>& groups) = 0;
   virtual const StepConfig& config() const = 0;
   virtual const std::vector<ParamTensor>& tensors() const = 0;
   virtual std::int64_t chunk_count() const = 0;
@@ -38,6 +60,17 @@ struct FusedAdamW::Impl {
   /// Copies host memory into one of the optimizer's buffers; a step enqueued afterwards, on any
   /// stream, reads the new values.
   virtual void copy_in(void* buffer, const void* host, std::size_t bytes) = 0;
+  /// A group's hyperparameters from the next step on (checked by FusedAdamW::set_group).
+  virtual void set_group(std::int32_t group, const AdamWConfig& h, Stream stream) = 0;
+  /// New gradient pointers from the next step on (checked by FusedAdamW::set_gradients).
+  virtual void set_gradients(const std::vector<const void*>& grads, Stream stream) = 0;
+  /// The next step's gradients are already unscaled.
+  virtual void mark_unscaled(Stream stream) = 0;
+  /// The loss scale from the next step on (checked by FusedAdamW::set_loss_scale).
+  virtual void set_loss_scale(float scale, Stream stream) = 0;
+
+  /// What the step writes, for set_gradients' check (filled by FusedAdamW's constructor).
+  detail::WrittenSpans written;
 };
 
 namespace detail {

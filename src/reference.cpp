@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -20,8 +21,34 @@ namespace {
 
 constexpr double kFp32Max = static_cast<double>(std::numeric_limits<float>::max());
 
-double grad_value(const ParamTensor& p, DType dtype, std::int64_t i) {
-  return from_bits16(dtype, static_cast<const std::uint16_t*>(p.grad)[i]);
+// A gradient element as stored: its bit pattern (16 or 32 bits) and its value.
+struct Element {
+  std::uint32_t bits;
+  double value;
+};
+
+Element grad_element(const ParamTensor& p, DType dtype, std::int64_t i) {
+  if (dtype == DType::f32) {
+    const float x = static_cast<const float*>(p.grad)[i];
+    std::uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    return {bits, static_cast<double>(x)};
+  }
+  const std::uint16_t bits = static_cast<const std::uint16_t*>(p.grad)[i];
+  return {bits, from_bits16(dtype, bits)};
+}
+
+double grad_value(const ParamTensor& p, DType dtype, std::int64_t i) { return grad_element(p, dtype, i).value; }
+
+// The value of the magnitude bits of a pattern of the gradient format (its sign bit ignored).
+double magnitude(DType dtype, std::uint32_t bits) {
+  if (dtype == DType::f32) {
+    const std::uint32_t m = bits & 0x7FFFFFFFu;
+    float x;
+    std::memcpy(&x, &m, sizeof x);
+    return static_cast<double>(x);
+  }
+  return from_bits16(dtype, static_cast<std::uint16_t>(bits & 0x7FFFu));
 }
 
 // A 16-bit pattern is finite unless its exponent field is all ones.
@@ -29,6 +56,10 @@ bool finite_bits16(DType dtype, std::uint16_t bits) {
   const unsigned exponent = dtype == DType::bf16 ? 0x7F80u : 0x7C00u;
   return (bits & exponent) != exponent;
 }
+
+// The applied steps group `h` has taken, this one included, when the optimizer takes its t-th: the
+// ones since it joined (step_offset steps in), and at least this one.
+std::int64_t steps_of_group(const AdamWConfig& h, std::int64_t t) { return std::max<std::int64_t>(t - h.step_offset, 1); }
 
 // Why an update from the largest unscaled, clipped gradient g_max could not be finite in fp32,
 // before anything is written; `t` is the applied-step counter the step would have.
@@ -45,7 +76,8 @@ SkipReason update_range(const StepConfig& config, double g_max, std::int64_t t) 
     if ((1.0 - static_cast<double>(h.beta2)) * g_max * g_max > kFp32Max) {
       return SkipReason::second_moment_exceeds_fp32;
     }
-    const double bc1 = h.bias_correction ? 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(t)) : 1.0;
+    const double bc1 =
+        h.bias_correction ? 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(steps_of_group(h, t))) : 1.0;
     if (!std::isfinite(static_cast<float>(static_cast<double>(h.lr) / bc1))) {
       return SkipReason::step_size_exceeds_fp32;
     }
@@ -59,8 +91,8 @@ SkipReason update_range(const StepConfig& config, double g_max, std::int64_t t) 
 std::int64_t apply_tensor(const ParamTensor& p, const StepConfig& config, double coef, std::int64_t t) {
   const AdamWConfig& h = config.groups[static_cast<std::size_t>(p.group)];
   const double lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, wd = h.weight_decay;
-  const double bc1 = h.bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(t)) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(t)) : 1.0;
+  const double bc1 = h.bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(steps_of_group(h, t))) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(steps_of_group(h, t))) : 1.0;
   std::int64_t held = 0;
   for (std::int64_t i = 0; i < p.numel; ++i) {
     double w = p.master[i];
@@ -91,9 +123,9 @@ std::int64_t apply_tensor(const ParamTensor& p, const StepConfig& config, double
 
 
 // ---- Σg², exactly -------------------------------------------------------------------------
-// Every finite fp16/bf16 value is k · 2^e with k an integer below 2^11 and e >= -133, so every
-// square is k² (below 2^22) times a power of two no smaller than 2^-266: an integer in units of
-// 2^-266. SquareSum adds those integers; nothing is rounded until rounded_sum.
+// Every finite fp16, bf16 or fp32 value is k · 2^e with k an integer below 2^24 and e >= -149, so
+// every square is k² (below 2^48) times a power of two no smaller than 2^-298: an integer in units
+// of 2^-298. SquareSum adds those integers; nothing is rounded until rounded_sum.
 
 // An unsigned integer in base 2^32, least significant digit first.
 using Digits = std::vector<std::uint32_t>;
@@ -115,25 +147,38 @@ Digits carry_digits(const std::uint64_t* words, std::size_t n) {
 
 class SquareSum {
  public:
-  // Adds the square of the finite value whose magnitude pattern is `magnitude`.
-  void add(DType dtype, std::uint16_t magnitude) {
-    const bool bf16 = dtype == DType::bf16;
-    const int fraction_bits = bf16 ? 7 : 10;
-    const int bias = bf16 ? 127 : 15;
-    const int field = magnitude >> fraction_bits;
-    const std::uint64_t fraction = magnitude & ((1u << fraction_bits) - 1u);
-    const std::uint64_t k = field == 0 ? fraction : fraction | (std::uint64_t{1} << fraction_bits);
-    const int e = std::max(field, 1) - bias - fraction_bits;  // value = k · 2^e
-    const int shift = 2 * e + 266;                               // square in units of 2^-266
-    const std::uint64_t placed = (k * k) << (shift % 32);        // below 2^54
-    words_[static_cast<std::size_t>(shift / 32)] += placed & 0xFFFFFFFFu;
-    words_[static_cast<std::size_t>(shift / 32) + 1] += placed >> 32;
+  // Adds the square of the finite nonzero value k · 2^e.
+  void add(std::uint64_t k, int e) {
+    const int shift = 2 * e + 298;  // the square in units of 2^-298
+    const unsigned __int128 placed = static_cast<unsigned __int128>(k * k) << (shift % 32);  // < 2^79
+    const auto at = static_cast<std::size_t>(shift / 32);
+    for (std::size_t j = 0; j < 3; ++j) words_[at + j] += static_cast<std::uint64_t>(placed >> (32 * j)) & 0xFFFFFFFFu;
+    if (++adds_ == (std::uint64_t{1} << 30)) {  // every word stays below 2^63
+      carry();
+      adds_ = 0;
+    }
   }
   Digits digits() const { return carry_digits(words_.data(), words_.size()); }
 
  private:
-  std::vector<std::uint64_t> words_ = std::vector<std::uint64_t>(StepTotals::kSumLimbs, 0);
+  void carry() {
+    const Digits d = digits();
+    for (std::size_t i = 0; i < words_.size(); ++i) words_[i] = d[i];  // the sum is below 2^640
+  }
+  std::vector<std::uint64_t> words_ = std::vector<std::uint64_t>(StepTotals::kSumLimbs + 2, 0);
+  std::uint64_t adds_ = 0;
 };
+
+// A finite nonzero magnitude as k · 2^e (k an integer): the stored significand and exponent.
+void significand_exponent(DType dtype, std::uint32_t magnitude, std::uint64_t& k, int& e) {
+  const bool f32 = dtype == DType::f32;
+  const int fraction_bits = f32 ? 23 : dtype == DType::bf16 ? 7 : 10;
+  const int bias = f32 || dtype == DType::bf16 ? 127 : 15;
+  const int field = static_cast<int>(magnitude >> fraction_bits);
+  const std::uint64_t fraction = magnitude & ((1u << fraction_bits) - 1u);
+  k = field == 0 ? fraction : fraction | (std::uint64_t{1} << fraction_bits);
+  e = std::max(field, 1) - bias - fraction_bits;
+}
 
 int compare(const Digits& a, const Digits& b) {
   const std::size_t n = std::max(a.size(), b.size());
@@ -173,13 +218,13 @@ Digits shifted(std::uint64_t v, int shift) {
 namespace detail {
 
 // The double nearest to the record's Σg² (ties to the even significand). An approximation first,
-// then the exact choice among its neighbours: each candidate c = m · 2^e (e >= -318 here) and the
-// sum are compared as integers in units of 2^-320.
+// then the exact choice among its neighbours: each candidate c = m · 2^e (e >= -299 here) and the
+// sum are compared as integers in units of 2^-352.
 double reference_sum_of_squares(const StepTotals& totals) {
   const Digits sum = carry_digits(totals.sum, StepTotals::kSumLimbs);
   double approx = 0.0;
   for (std::size_t i = sum.size(); i-- > 0;) approx = approx * 4294967296.0 + sum[i];
-  approx = std::ldexp(approx, -266);
+  approx = std::ldexp(approx, -298);
   if (approx == 0.0) return 0.0;
   Digits exact(sum.size() + 2, 0);  // sum · 2^54
   for (std::size_t i = 0; i < sum.size(); ++i) {
@@ -200,7 +245,7 @@ double reference_sum_of_squares(const StepTotals& totals) {
     int e = 0;
     const double m = std::frexp(c, &e);  // c = m · 2^e, m in [0.5, 1)
     const auto significand = static_cast<std::uint64_t>(std::ldexp(m, 53));
-    const Digits candidate = shifted(significand, e - 53 + 320);
+    const Digits candidate = shifted(significand, e - 53 + 352);
     const Digits gap = compare(exact, candidate) >= 0 ? subtract(exact, candidate) : subtract(candidate, exact);
     const int order = have ? compare(gap, best_gap) : -1;
     if (order < 0 || (order == 0 && (significand & 1u) == 0)) {
@@ -217,24 +262,33 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
   if (nonfinite_per_tensor) nonfinite_per_tensor->assign(tensors.size(), 0);
   SquareSum squares;
   std::uint64_t nonfinite = 0, subnormal = 0, zero = 0, numel = 0;
-  std::uint16_t max_bits = 0;
+  std::uint32_t max_bits = 0;
   std::int64_t first_bad = -1;
+  // Subnormal: nonzero and below the smallest normal of the format the gradients were computed in.
+  const double min_normal = format_info(measured_dtype(config)).min_normal;
+  const std::uint32_t sign = config.grad_dtype == DType::f32 ? 0x80000000u : 0x8000u;
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     const ParamTensor& p = tensors[t];
-    const auto* grad = static_cast<const std::uint16_t*>(p.grad);
+    if (p.grad == nullptr) continue;  // no gradient this step: not measured
     std::int64_t bad = 0;
     for (std::int64_t i = 0; i < p.numel; ++i) {
-      const BitClass c = classify_bits16(config.grad_dtype, grad[i]);
-      if (c == BitClass::infinite || c == BitClass::nan) {
+      const Element g = grad_element(p, config.grad_dtype, i);
+      if (!std::isfinite(g.value)) {
         ++bad;
         continue;
       }
-      const std::uint16_t magnitude = grad[i] & 0x7FFFu;
+      const std::uint32_t magnitude = g.bits & (sign - 1u);
       max_bits = std::max(max_bits, magnitude);  // patterns of |x| order as the values do
       if (!p.in_norm) continue;
-      if (c == BitClass::zero) ++zero;
-      if (c == BitClass::subnormal) ++subnormal;
-      squares.add(config.grad_dtype, magnitude);
+      if (g.value == 0.0) {
+        ++zero;
+        continue;
+      }
+      if (std::fabs(g.value) < min_normal) ++subnormal;
+      std::uint64_t k;
+      int e;
+      significand_exponent(config.grad_dtype, magnitude, k, e);
+      squares.add(k, e);
     }
     if (bad > 0 && first_bad < 0) first_bad = static_cast<std::int64_t>(t);
     if (nonfinite_per_tensor) (*nonfinite_per_tensor)[t] = bad;
@@ -266,7 +320,7 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
 }
 
 StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepConfig& config,
-                            OptimizerState& state, const StepTotals& totals) {
+                            OptimizerState& state, const StepTotals& totals, bool unscaled) {
   StepReport r{};
   state.attempts = count_up(state.attempts);
   r.attempt = state.attempts;
@@ -279,18 +333,22 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
   r.subnormal_count = static_cast<std::int64_t>(totals.sum[n + 1]);
   r.zero_count = static_cast<std::int64_t>(totals.sum[n + 2]);
   r.numel = static_cast<std::int64_t>(totals.sum[n + 3]);
-  const double max_abs = from_bits16(config.grad_dtype, static_cast<std::uint16_t>(totals.max[0] & 0x7FFFu));
+  const double max_abs = magnitude(config.grad_dtype, static_cast<std::uint32_t>(totals.max[0]));
   r.first_nonfinite_rank = -1;
   r.first_nonfinite_tensor = -1;
   if (totals.max[1] != 0) {
     r.first_nonfinite_rank = static_cast<std::int32_t>(0xFFFFFFFFu - (totals.max[1] >> 32));
     r.first_nonfinite_tensor = static_cast<std::int32_t>(0xFFFFFFFFu - (totals.max[1] & 0xFFFFFFFFu));
   }
-  const double sum_sq = reference_sum_of_squares(totals);  // Σg² of the scaled gradients, rounded once
-  r.max_abs_scaled = static_cast<float>(max_abs);
+  const double sum_sq = reference_sum_of_squares(totals);  // Σg² of the gradients, rounded once
+  // Gradients already divided by the loss scale (mark_unscaled) were computed scaled: their
+  // headroom is that of their values times the scale, and they are unscaled by 1.
+  const double S = unscaled ? 1.0 : state.scaler.scale;
+  const double scaled_max = unscaled ? max_abs * state.scaler.scale : max_abs;
+  r.max_abs_scaled = static_cast<float>(scaled_max);
   r.headroom_log2 =
-      max_abs > 0.0
-          ? static_cast<float>(std::log2(static_cast<double>(format_info(config.grad_dtype).max) / max_abs))
+      scaled_max > 0.0
+          ? static_cast<float>(std::log2(static_cast<double>(format_info(measured_dtype(config)).max) / scaled_max))
           : std::numeric_limits<float>::infinity();
 
   auto finish = [&](Outcome outcome, SkipReason reason) {
@@ -302,7 +360,7 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
   };
   // The record's own rules, as the kernels check them (a record is a format, not step math):
   // one that no reduction gives, or ranks with different hyperparameters, is never applied.
-  const detail::Totals checked = detail::decode_totals(totals, config.grad_dtype == DType::bf16);
+  const detail::Totals checked = detail::decode_totals(totals, config.grad_dtype);
   if (checked.fault != detail::TotalsFault::none || !checked.hyperparameters_agree) {
     r.grad_norm = std::numeric_limits<double>::quiet_NaN();
     r.clip_coef = std::numeric_limits<float>::quiet_NaN();
@@ -317,7 +375,6 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
     return finish(Outcome::skipped_overflow, SkipReason::nonfinite_gradient);
   }
 
-  const double S = state.scaler.scale;
   r.grad_norm = std::sqrt(sum_sq) / S;
   const double clip = config.max_grad_norm > 0.0f
                           ? std::min(1.0, config.max_grad_norm / (r.grad_norm + 1e-6))
@@ -336,7 +393,9 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
 
   // Pass 2: AdamW with the applied-step counter after this step.
   state.step = count_up(state.step);
-  for (const ParamTensor& p : tensors) r.held_elements += apply_tensor(p, config, clip / S, state.step);
+  for (const ParamTensor& p : tensors) {
+    if (p.grad != nullptr) r.held_elements += apply_tensor(p, config, clip / S, state.step);  // no gradient: left alone
+  }
   state.scaler = next_state(state.scaler, config.scaler, false, r.headroom_log2);
   return finish(Outcome::applied, SkipReason::none);
 }

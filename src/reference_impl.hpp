@@ -25,7 +25,8 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
 double reference_sum_of_squares(const StepTotals& totals);
 
 /// The second half: decides from a record (this rank's, or one reduced over all ranks) and applies.
+/// `unscaled`: the gradients were already divided by the loss scale (FusedAdamW::mark_unscaled).
 StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepConfig& config,
-                            OptimizerState& state, const StepTotals& totals);
+                            OptimizerState& state, const StepTotals& totals, bool unscaled = false);
 
 }  // namespace halfstep::detail

@@ -44,7 +44,8 @@ class ReferenceImpl final : public FusedAdamW::Impl {
       throw Error(ErrorKind::usage, "step_finish: no step_local since the last step finished");
     }
     local_pending_ = false;
-    report_ = reference_finish(tensors_, config_, state_, totals_);
+    report_ = reference_finish(tensors_, config_, state_, totals_, unscaled_);
+    unscaled_ = false;
     has_report_ = true;
   }
   StepTotals* device_totals() override { return &totals_; }
@@ -72,10 +73,18 @@ class ReferenceImpl final : public FusedAdamW::Impl {
     for (const AdamWConfig& h : config_.groups) lr.push_back(h.lr);
     return lr;
   }
-  void restore(const OptimizerState& state, const std::vector<float>& lr) override {
+  void restore(const OptimizerState& state, const std::vector<AdamWConfig>& groups) override {
     state_ = state;
-    for (std::size_t g = 0; g < lr.size(); ++g) config_.groups[g].lr = lr[g];
+    config_.groups = groups;
   }
+  void set_group(std::int32_t group, const AdamWConfig& h, Stream) override {
+    config_.groups[static_cast<std::size_t>(group)] = h;
+  }
+  void set_gradients(const std::vector<const void*>& grads, Stream) override {
+    for (std::size_t t = 0; t < grads.size(); ++t) tensors_[t].grad = grads[t];
+  }
+  void mark_unscaled(Stream) override { unscaled_ = true; }
+  void set_loss_scale(float scale, Stream) override { state_.scaler.scale = scale; }
   const StepConfig& config() const override { return config_; }
   const std::vector<ParamTensor>& tensors() const override { return tensors_; }
   std::int64_t chunk_count() const override { return 0; }
@@ -103,6 +112,7 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   StepTotals totals_{};
   std::vector<std::int64_t> nonfinite_;
   bool has_report_ = false;
+  bool unscaled_ = false;  // mark_unscaled: the next step's gradients are already unscaled
   bool local_pending_ = false;
 };
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "check.hpp"
+#include "fused_impl.hpp"
 
 namespace halfstep {
 
@@ -32,14 +33,18 @@ void AdamWConfig::validate() const {
   require(finite(weight_decay) && weight_decay >= 0.0f,
           "AdamWConfig.weight_decay must be finite and >= 0, got ", weight_decay);
   detail::check_decay_rate(*this, lr, "AdamWConfig.lr");
+  require(step_offset >= 0 && step_offset <= kCounterLimit, "AdamWConfig.step_offset must be in [0, kCounterLimit = ",
+          kCounterLimit, "], got ", step_offset);
 }
 
 void StepConfig::validate() const {
-  require(grad_dtype == DType::f16 || grad_dtype == DType::bf16,
-          "StepConfig.grad_dtype must be f16 or bf16, got ", dtype_name(grad_dtype));
+  require(grad_dtype == DType::f16 || grad_dtype == DType::bf16 || grad_dtype == DType::f32,
+          "StepConfig.grad_dtype must be f16, bf16 or f32, got code ", static_cast<int>(grad_dtype));
   require(model_dtype == DType::f16 || model_dtype == DType::bf16,
-          "StepConfig.model_dtype must be f16 or bf16 (the master copy is already f32), got ",
-          dtype_name(model_dtype));
+          "StepConfig.model_dtype must be f16 or bf16 (the master copy is already f32; tensors "
+          "without a model copy leave ParamTensor::model null), got ", dtype_name(model_dtype));
+  require(compute_dtype == DType::f16 || compute_dtype == DType::bf16 || compute_dtype == DType::f32,
+          "StepConfig.compute_dtype must be f16, bf16 or f32, got code ", static_cast<int>(compute_dtype));
   require(!groups.empty(), "StepConfig.groups must hold at least one AdamWConfig, got none");
   for (std::size_t g = 0; g < groups.size(); ++g) {
     try {
@@ -98,7 +103,7 @@ void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config)
     require(static_cast<std::uint64_t>(p.numel) <= (UINT64_MAX >> 3), "tensors[", t,
             "].numel is too large, got ", p.numel);
     check_buffer(spans, t, "master", p.master, p.numel, sizeof(float), false);
-    check_buffer(spans, t, "grad", p.grad, p.numel, grad_bytes, false);
+    check_buffer(spans, t, "grad", p.grad, p.numel, grad_bytes, true);  // null: no gradient
     check_buffer(spans, t, "exp_avg", p.exp_avg, p.numel, sizeof(float), false);
     check_buffer(spans, t, "exp_avg_sq", p.exp_avg_sq, p.numel, sizeof(float), false);
     check_buffer(spans, t, "model", p.model, p.numel, model_bytes, true);
@@ -115,6 +120,55 @@ void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config)
             b.field, " overlap; every buffer of a step must be distinct");
   }
 }
+
+namespace detail {
+
+WrittenSpans written_spans(const std::vector<ParamTensor>& tensors, const StepConfig& config) {
+  std::vector<Span> spans;
+  const std::size_t model_bytes = element_size(config.model_dtype);
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    const ParamTensor& p = tensors[t];
+    check_buffer(spans, t, "master", p.master, p.numel, sizeof(float), false);
+    check_buffer(spans, t, "exp_avg", p.exp_avg, p.numel, sizeof(float), false);
+    check_buffer(spans, t, "exp_avg_sq", p.exp_avg_sq, p.numel, sizeof(float), false);
+    check_buffer(spans, t, "model", p.model, p.numel, model_bytes, true);
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  WrittenSpans w;
+  for (const Span& s : spans) w.spans.push_back({s.begin, s.end, s.tensor, s.field});
+  return w;
+}
+
+void validate_gradients(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+                        const WrittenSpans& written, const std::vector<const void*>& grads) {
+  require(grads.size() == tensors.size(), "set_gradients: grads must hold one pointer per tensor (",
+          tensors.size(), "), got ", grads.size());
+  std::vector<Span> spans;
+  const std::size_t grad_bytes = element_size(config.grad_dtype);
+  for (std::size_t t = 0; t < grads.size(); ++t) {
+    try {
+      check_buffer(spans, t, "grad", grads[t], tensors[t].numel, grad_bytes, true);
+    } catch (const Error& e) {
+      fail("set_gradients: ", e.what());
+    }
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (std::size_t i = 1; i < spans.size(); ++i) {
+    require(spans[i].begin >= spans[i - 1].end, "set_gradients: grads[", spans[i - 1].tensor, "] and grads[",
+            spans[i].tensor, "] overlap; every buffer of a step must be distinct");
+  }
+  // The written spans are disjoint and sorted, so their ends are sorted too: the first that ends
+  // past a gradient's start is the only one that can overlap it first.
+  for (const Span& g : spans) {
+    const auto w = std::upper_bound(written.spans.begin(), written.spans.end(), g.begin,
+                                    [](std::uintptr_t at, const WrittenSpans::Span& s) { return at < s.end; });
+    require(w == written.spans.end() || w->begin >= g.end, "set_gradients: grads[", g.tensor, "] and tensors[",
+            w == written.spans.end() ? 0 : w->tensor, "].", w == written.spans.end() ? "" : w->field,
+            " overlap; every buffer of a step must be distinct");
+  }
+}
+
+}  // namespace detail
 
 const char* outcome_name(Outcome outcome) {
   switch (outcome) {

@@ -15,20 +15,31 @@ bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 
 
 }  // namespace
 
+bool all_aligned(const ParamTensor& p) {
+  return aligned16(p.master) && p.grad != nullptr && aligned16(p.grad) && aligned16(p.exp_avg) &&
+         aligned16(p.exp_avg_sq) && (p.numel == 0 || p.model == nullptr || aligned16(p.model));
+}
+
+std::int64_t numel_in_norm(const std::vector<ParamTensor>& tensors) {
+  std::int64_t n = 0;  // < 2^31 chunks of 2^15 elements: no overflow
+  for (const ParamTensor& p : tensors) {
+    if (p.in_norm && p.grad != nullptr) n += p.numel;
+  }
+  return n;
+}
+
 TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
   require(tensors.size() <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
           "at most 2^31 - 1 tensors, got ", tensors.size());
   // Count first, so a table too large for one launch is refused before anything is allocated.
   std::uint64_t n_chunks = 0;
-  std::int64_t numel_in_norm = 0;
   for (const ParamTensor& p : tensors) {
     n_chunks += static_cast<std::uint64_t>(chunks_of(p.numel));  // each < 2^49: no overflow
     require(n_chunks <= kMaxChunks, "the tensors need more than ", kMaxChunks, " chunks of ",
             kChunkElems, " elements (one launch's grid)");
-    if (p.in_norm) numel_in_norm += p.numel;  // < 2^31 chunks of 2^15 elements: no overflow
   }
   TensorTable table;
-  table.numel_in_norm = numel_in_norm;
+  table.numel_in_norm = numel_in_norm(tensors);
   table.tensors.reserve(tensors.size());
   table.chunks.reserve(static_cast<std::size_t>(n_chunks));
   for (std::size_t t = 0; t < tensors.size(); ++t) {
@@ -41,12 +52,9 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
     d.model = p.numel > 0 ? p.model : nullptr;
     d.numel = p.numel;
     d.group = p.group;
-    d.grad_vec = aligned16(p.grad) ? 1 : 0;
+    d.grad_vec = p.grad != nullptr && aligned16(p.grad) ? 1 : 0;
     d.in_norm = p.in_norm ? 1 : 0;
-    d.all_vec = aligned16(p.master) && aligned16(p.grad) && aligned16(p.exp_avg) &&
-                        aligned16(p.exp_avg_sq) && (d.model == nullptr || aligned16(d.model))
-                    ? 1
-                    : 0;
+    d.all_vec = all_aligned(p) ? 1 : 0;
     table.tensors.push_back(d);
     for (std::int64_t begin = 0; begin < p.numel; begin += kChunkElems) {
       const std::int64_t len = std::min(kChunkElems, p.numel - begin);
@@ -81,6 +89,7 @@ WorkspaceLayout WorkspaceLayout::make(std::size_t n_tensors, std::size_t n_chunk
   w.totals = add(1, sizeof(StepTotals), "records");
   w.window_hint = add(1, sizeof(std::uint32_t), "hints");
   w.spill = add(kSumLimbs, sizeof(std::uint64_t), "limbs");
+  w.inputs = add(1, sizeof(StepInputs), "inputs");
   w.bytes = at;
   return w;
 }
@@ -101,7 +110,8 @@ Workspace Workspace::in(void* base, const WorkspaceLayout& l) {
                    piece<StepReport>(base, l.report),        piece<Decision>(base, l.decision),
                    piece<GroupParams>(base, l.params),       piece<float>(base, l.lr),
                    piece<GroupConsts>(base, l.consts),       piece<StepTotals>(base, l.totals),
-                   piece<std::uint32_t>(base, l.window_hint), piece<unsigned long long>(base, l.spill)};
+                   piece<std::uint32_t>(base, l.window_hint), piece<unsigned long long>(base, l.spill),
+                   piece<StepInputs>(base, l.inputs)};
 }
 
 std::vector<std::int64_t> per_tensor_counts(const std::vector<ChunkDesc>& chunks,

@@ -15,7 +15,14 @@ struct TensorTable {
   std::vector<TensorDesc> tensors;  // one row per ParamTensor, in order
   std::vector<ChunkDesc> chunks;    // every element of every tensor in exactly one chunk
   std::int64_t numel_in_norm = 0;   // elements of the tensors in the norm (ParamTensor::in_norm)
+                                    // that have a gradient
 };
+
+/// Whether every buffer of `p` is 16-byte aligned (pass 2 may use vector accesses).
+bool all_aligned(const ParamTensor& p);
+
+/// Elements of the tensors in the norm (ParamTensor::in_norm) that have a gradient this step.
+std::int64_t numel_in_norm(const std::vector<ParamTensor>& tensors);
 
 /// Splits every tensor into chunks of kChunkElems elements (the last one shorter), in tensor
 /// order; zero-length tensors get a row and no chunk. Marks which tensors may use 16-byte
@@ -27,7 +34,7 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors);
 /// fit a size_t.
 struct WorkspaceLayout {
   std::size_t tensors, chunks, partials, state, report, decision, params, lr, consts, totals,
-      window_hint, spill, bytes;
+      window_hint, spill, inputs, bytes;
   static WorkspaceLayout make(std::size_t n_tensors, std::size_t n_chunks, std::size_t n_groups);
 };
 
@@ -45,6 +52,7 @@ struct Workspace {
   StepTotals* totals;
   std::uint32_t* window_hint;
   unsigned long long* spill;
+  StepInputs* inputs;
 
   /// The pieces of an allocation of layout.bytes at `base`.
   static Workspace in(void* base, const WorkspaceLayout& layout);

@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
 """Counts the instructions per gradient element in pass 1's vector loop, for each gradient format:
-compiles kernels/check_and_norm.cu for sm_90, finds the loop that issues the four 16-byte loads
-(32 elements an iteration per thread) and divides its instruction count by 32. PTX always; SASS
-(what the GPU issues) when cuobjdump is on PATH or in .venv (tools/install_deps.sh installs
-PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm, which it calls, there). Pass 1 is bound by instruction issue on an H200 once it needs
-more than about 16 per element (132 SMs x 128 lanes x 1.98 GHz / 2.15e12 elements/s).
+compiles kernels/check_and_norm.cu for sm_90, finds the main loop (the loop that issues four
+16-byte loads and the squares' fp64 arithmetic: 32 elements an iteration per thread for f16 and
+bf16, 16 for f32) and divides its instruction count by its elements. PTX always; SASS (what the
+GPU issues) when cuobjdump is on PATH or in .venv (tools/install_deps.sh installs PyPI's
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm, which it calls, there).
+
+The budget: pass 1 reads an H200's 4.8 TB/s at 2.4e12 16-bit or 1.2e12 fp32 gradients a second;
+132 SMs x 128 lanes x 1.98 GHz issue 3.3e13 instructions a second, so pass 1 stays bound by
+memory, not by instruction issue, below about 14 instructions per 16-bit element and 28 per fp32
+one. The CTest budgets (f16 <= 16, bf16 <= 17, f32 <= 31) leave the measured loop a little room
+above that, for tuning that trades instructions for latency; bench/RESULTS.md has the counts.
 
 With --base REV the kernels of git revision REV are counted too, for a before/after table. With
---sass-below f16=X,bf16=Y the script fails unless the SASS counts are below those (exit code 77,
-"skipped", when there is no cuobjdump).
+--at-most f16=X,bf16=Y,f32=Z the script fails unless the SASS counts are at most those (exit code
+77, "skipped", when there is no cuobjdump).
 
-usage: tools/count_pass1_instructions.py [--kernels DIR] [--nvcc NVCC] [--base REV] [--sass-below ...]"""
+usage: tools/count_pass1_instructions.py [--kernels DIR] [--nvcc NVCC] [--base REV] [--at-most ...]"""
 import argparse
 import glob
 import os
@@ -24,7 +30,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fmt_of(name):
-    return "bf16" if "DTypeE1E" in name else "f16" if "DTypeE0E" in name else name
+    return "bf16" if "DTypeE1E" in name else "f16" if "DTypeE0E" in name else "f32" if "DTypeE2E" in name else name
+
+
+# Gradient elements in one iteration of the main loop: four 16-byte loads.
+ELEMENTS = {"f16": 32, "bf16": 32, "f32": 16}
 
 
 def ptx_loops(ptx):
@@ -45,9 +55,12 @@ def ptx_loops(ptx):
             if sum("ld.global.nc.v4" in x for x in body) != 4:
                 continue
             count = sum(1 for x in body if x.strip() and not x.strip().startswith(("//", "$", ".", "{", "}")))
-            best = count if best is None else min(best, count)
-        if best is not None:
-            out[fmt_of(m.group(1))] = best / 32.0
+            fp64 = sum(".f64" in x for x in body)  # the main loop squares; the re-reads do not
+            if fp64 and (best is None or fp64 > best[0]):
+                best = (fp64, count)
+        fmt = fmt_of(m.group(1))
+        if best is not None and fmt in ELEMENTS:
+            out[fmt] = best[1] / ELEMENTS[fmt]
     return out
 
 
@@ -67,10 +80,14 @@ def sass_loops(sass):
             if not m or int(m.group(1), 16) >= off:
                 continue
             body = [t for o, t in ins if int(m.group(1), 16) <= o <= off]
-            if sum("LDG.E.128" in t for t in body) == 4:
-                best = len(body) if best is None else min(best, len(body))
-        if best is not None:
-            out[fmt_of(name)] = best / 32.0
+            if sum("LDG.E.128" in t for t in body) != 4:
+                continue
+            fp64 = sum(re.search(r"\bD(FMA|ADD)\b", t) is not None for t in body)  # the main loop squares
+            if fp64 and (best is None or fp64 > best[0]):
+                best = (fp64, len(body))
+        fmt = fmt_of(name)
+        if best is not None and fmt in ELEMENTS:
+            out[fmt] = best[1] / ELEMENTS[fmt]
     return out
 
 
@@ -104,10 +121,10 @@ def main():
     ap.add_argument("--kernels", default=os.path.join(ROOT, "kernels"))
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--base", help="also count the kernels of this git revision")
-    ap.add_argument("--sass-below", help="fail unless the SASS counts are below these: f16=X,bf16=Y")
+    ap.add_argument("--at-most", help="fail unless the SASS counts are at most these: f16=X,bf16=Y,f32=Z")
     args = ap.parse_args()
     cuobjdump = find_cuobjdump()
-    if args.sass_below and not cuobjdump:
+    if args.at_most and not cuobjdump:
         print("SKIPPED: no cuobjdump to count SASS with (tools/install_deps.sh installs one into .venv)")
         sys.exit(77)
     rows = []
@@ -133,13 +150,13 @@ def main():
                 line += f" (was {base[kind][fmt]:.2f} at {args.base})"
             rows.append(line)
     print("\n".join(rows))
-    if args.sass_below:
-        for part in args.sass_below.split(","):
+    if args.at_most:
+        for part in args.at_most.split(","):
             fmt, limit = part.split("=")
             got = now["sass"].get(fmt)
-            if got is None or got >= float(limit):
-                sys.exit(f"pass 1, {fmt}: {got} SASS instructions per element, not below {limit}")
-        print(f"below {args.sass_below}")
+            if got is None or got > float(limit):
+                sys.exit(f"pass 1, {fmt}: {got} SASS instructions per element, more than {limit}")
+        print(f"at most {args.at_most}")
 
 
 if __name__ == "__main__":

@@ -13,19 +13,20 @@
 
 namespace halfstep {
 
-/// Format version written by encode_state.
-inline constexpr std::uint32_t kStateFormatVersion = 2;
+/// Format version written by encode_state (decode_state also reads version 2, which had no
+/// compute_dtype: it reads as f16).
+inline constexpr std::uint32_t kStateFormatVersion = 3;
 
 /// What a checkpoint holds.
 struct SavedState {
   OptimizerState state;  ///< scaler, spike statistics, counters
-  /// The configuration at save time. Each group's lr is the learning rate in force then (after
-  /// set_lr or device_lr), which load_state restores. These fields must match when loading:
-  /// the number of groups, grad_dtype, model_dtype, every ScalerConfig rule but init_scale,
-  /// every SpikeConfig field, and each group's beta1, beta2, decoupled_weight_decay and
-  /// bias_correction (the state was built with them). These may change on purpose: lr (the
-  /// checkpoint's is restored; set it again after loading to change it), eps, weight_decay,
-  /// max_grad_norm, init_scale and host_driven.
+  /// The configuration at save time. Each group's lr, beta1, beta2, eps and weight_decay are the
+  /// values in force then (after set_lr, device_lr or set_group), which FusedAdamW::load_state
+  /// restores (set them again after loading to change them). These fields must match when
+  /// loading: the number of groups, grad_dtype, model_dtype, every ScalerConfig rule but
+  /// init_scale, every SpikeConfig field, and each group's decoupled_weight_decay and
+  /// bias_correction (the state was built with them). These may differ: the groups'
+  /// hyperparameters (restored), compute_dtype, max_grad_norm, init_scale and host_driven.
   StepConfig config;
 };
 

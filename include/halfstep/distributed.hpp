@@ -21,14 +21,16 @@ namespace halfstep {
 /// field is an integer, so the reduced record is bitwise the same whatever the order and grouping
 /// of the reduction.
 ///
-///   sum[0..18]  Σg² of the scaled gradients, exactly: base-2^32 digits, least significant first,
-///               in units of 2^-266 (every fp16/bf16 square is an integer multiple of it). One
-///               rank's digits are each below 2^32, so 2^31 ranks cannot overflow a word.
-///   sum[19]     inf and NaN gradient elements
-///   sum[20]     subnormal gradient elements (of tensors in the norm)
-///   sum[21]     zero gradient elements (of tensors in the norm)
-///   sum[22]     gradient elements of tensors in the norm
-///   max[0]      the largest finite |gradient| as stored (scaled), as its 16-bit pattern
+///   sum[0..19]  Σg² of the scaled gradients, exactly: base-2^32 digits, least significant first,
+///               in units of 2^-298 (every fp16, bf16 and fp32 square is an integer multiple of
+///               it). One rank's digits are each below 2^32, so 2^31 ranks cannot overflow a word.
+///   sum[20]     inf and NaN gradient elements
+///   sum[21]     subnormal gradient elements (of tensors in the norm): nonzero, below the smallest
+///               normal of measured_dtype (the gradients' format, or compute_dtype for f32 ones)
+///   sum[22]     zero gradient elements (of tensors in the norm)
+///   sum[23]     gradient elements of tensors in the norm
+///   max[0]      the largest finite |gradient| as stored (scaled), as its pattern in the gradient
+///               format (16 bits of f16 or bf16, 31 of f32)
 ///   max[1]      the first inf/NaN: (0xFFFFFFFF - rank) << 32 | (0xFFFFFFFF - tensor), 0 if none
 ///               (the largest key is the lowest rank, then the lowest tensor index)
 ///   max[2]      a 64-bit fingerprint of the hyperparameters the rank steps with (every group's
@@ -42,13 +44,13 @@ namespace halfstep {
 /// skipped with SkipReason::inconsistent_totals. Ranks whose fingerprints differ skip with
 /// SkipReason::hyperparameters_differ, every one of them.
 struct StepTotals {
-  static constexpr int kSumLimbs = 19;
-  static constexpr int kSumWords = 23;
+  static constexpr int kSumLimbs = 20;
+  static constexpr int kSumWords = 24;
   static constexpr int kMaxWords = 4;
   std::uint64_t sum[kSumWords];
   std::uint64_t max[kMaxWords];
 };
-static_assert(sizeof(StepTotals) == 216, "StepTotals has a documented layout");
+static_assert(sizeof(StepTotals) == 224, "StepTotals has a documented layout");
 
 /// Combines `other` into `into` as the all-reduce does: SUM over `sum`, MAX over `max`.
 HALFSTEP_API void combine(StepTotals& into, const StepTotals& other);
@@ -63,7 +65,7 @@ struct TotalsSummary {
   bool hyperparameters_agree = true;         ///< every rank reduced stepped with the same hyperparameters
 };
 
-/// Decodes a record of gradients in `grad_dtype` (f16 or bf16). Throws halfstep::Error naming the
+/// Decodes a record of gradients in `grad_dtype` (f16, bf16 or f32). Throws halfstep::Error naming the
 /// word and the rule if the record could not have come from a reduction of halfstep records (the
 /// step skips such a record as SkipReason::inconsistent_totals).
 HALFSTEP_API TotalsSummary summarize(const StepTotals& totals, DType grad_dtype);
@@ -96,13 +98,13 @@ struct Shard {
 
 /// Cuts the flat parameter space made of the tensors of `layout` laid end to end (only numel,
 /// group and in_norm are read) at [begin, end), which may fall anywhere inside tensors. `flat`
-/// holds this rank's five buffers for exactly that range (flat.numel == end - begin, 16-bit
-/// gradients and model copy, the rest fp32, flat.model may be null) — e.g. the output of a
-/// reduce-scatter of the flat gradients, and the rank's slices of the masters and moments.
+/// holds this rank's five buffers for exactly that range (flat.numel == end - begin, gradients
+/// in `grad_dtype`, a 16-bit model copy, the rest fp32, flat.model may be null) — e.g. the output
+/// of a reduce-scatter of the flat gradients, and the rank's slices of the masters and moments.
 /// Tensors of zero elements belong to no shard. Throws halfstep::Error on a range outside the
 /// space or a flat buffer of another size.
 HALFSTEP_API Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
-            const ParamTensor& flat);
+                         const ParamTensor& flat, DType grad_dtype = DType::f16);
 
 /// The range [begin, end) rank `rank` of `ranks` holds when `numel` elements are split in order
 /// into chunks of ceil(numel / ranks): [rank·chunk, (rank + 1)·chunk), cut at numel. Every rank's

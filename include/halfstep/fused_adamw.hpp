@@ -110,6 +110,34 @@ class HALFSTEP_API FusedAdamW {
   /// device. Backend::reference: host memory.
   float* device_lr(std::int32_t group);
 
+  /// Sets every hyperparameter of `group` for the following steps — lr, beta1, beta2, eps and
+  /// weight_decay (schedules that cycle the betas: OneCycleLR, CyclicLR) — ordered on `stream` like
+  /// set_lr. decoupled_weight_decay and bias_correction are fixed at construction: another value
+  /// is refused. The bias corrections use the new betas with the applied-step count, as
+  /// torch.optim.AdamW does. Checked first (AdamWConfig::validate); nothing changes on error.
+  void set_group(std::int32_t group, const AdamWConfig& hyperparameters, Stream stream = nullptr);
+
+  /// Points the following steps at new gradient buffers: grads[i] for tensors()[i], in
+  /// StepConfig::grad_dtype (device memory of this device for Backend::cuda). A null pointer means
+  /// tensor i has no gradient: until it gets one, it is left out of the inf/NaN check, the norm and
+  /// the counts, and steps leave its master, moments and model copy alone (torch.optim skips a
+  /// parameter whose .grad is None). Ordered on `stream` (the pointers travel as kernel arguments:
+  /// no host synchronisation); a step captured in a CUDA graph replays with the pointers it was
+  /// captured with. Checked first — one pointer per tensor, aligned to the element size, none
+  /// overlapping another or a buffer the step writes; nothing changes on error.
+  void set_gradients(const std::vector<const void*>& grads, Stream stream = nullptr);
+
+  /// The next step's gradients are already divided by the loss scale (a GradScaler-style unscale_
+  /// divided them in place, so that the caller could clip them): that step divides them by 1
+  /// instead, and measures the headroom from them times the scale. The scaler moves as usual.
+  /// Ordered on `stream`; holds for one step.
+  void mark_unscaled(Stream stream = nullptr);
+
+  /// Sets the loss scale for the following steps (as GradScaler.update(new_scale) does), ordered
+  /// on `stream`; the scaler's counters stay. The scale must be finite and within
+  /// [ScalerConfig::min_scale, ScalerConfig::max_scale].
+  void set_loss_scale(float scale, Stream stream = nullptr);
+
   /// Device memory holding the loss scale for the next backward pass (fp32). The step updates
   /// it in stream order. Backend::reference: host memory.
   const float* device_loss_scale() const;
@@ -128,6 +156,13 @@ class HALFSTEP_API FusedAdamW {
   /// The learning rate of each group as the next step reads it (set_lr, device_lr or a restored
   /// checkpoint); waits for the last step.
   std::vector<float> learning_rates();
+
+  /// Replaces the optimizer's own state — scaler, spike detector, step counters — with `state`,
+  /// keeping this optimizer's configuration and learning rates: carries a run over to a new
+  /// FusedAdamW built on other tensors (a parameter group added, another layout). Checked with
+  /// validate_state against this configuration first (nothing changes on error); waits for the
+  /// last step.
+  void set_state(const OptimizerState& state);
 
   /// The versioned checkpoint of the optimizer state, the learning rates and the configuration
   /// they belong to (encode_state); waits for the last step.

@@ -71,6 +71,9 @@ typedef struct halfstep_tensor {
 typedef struct halfstep_group {
   float lr, beta1, beta2, eps, weight_decay;
   int32_t decoupled_weight_decay, bias_correction;
+  /** Applied steps taken before the group joined the run: its bias corrections count from there
+   *  (halfstep::AdamWConfig::step_offset; 0 by default). */
+  int64_t step_offset;
 } halfstep_group;
 
 /** Everything else of halfstep::StepConfig, flattened; fill with halfstep_config_init. */
@@ -82,6 +85,9 @@ typedef struct halfstep_config {
   float headroom_margin_log2;
   int32_t spike_enabled, spike_skip, spike_warmup_steps, spike_max_consecutive;
   float spike_z_threshold, spike_ema_beta, spike_min_std;
+  /** For HALFSTEP_F32 gradients, the format the backward pass computed them in (HALFSTEP_F16 by
+   *  default): the headroom and subnormal count are measured against it. */
+  int32_t compute_dtype;
 } halfstep_config;
 
 /** A step's report (halfstep::StepReport). */
@@ -103,7 +109,7 @@ typedef struct halfstep_report {
 /** The words of a step's totals record (halfstep::StepTotals): reduce the first
  *  HALFSTEP_TOTALS_SUM_WORDS with SUM and the next HALFSTEP_TOTALS_MAX_WORDS with MAX, as
  *  unsigned 64-bit integers. */
-#define HALFSTEP_TOTALS_SUM_WORDS 23
+#define HALFSTEP_TOTALS_SUM_WORDS 24
 #define HALFSTEP_TOTALS_MAX_WORDS 4
 
 /** The optimizer's own state (halfstep::OptimizerState): loss scaler, spike detector, counters. */
@@ -131,7 +137,9 @@ HALFSTEP_C_API const char* halfstep_reason_name(int32_t reason);
 /** Bytes of device workspace Backend::cuda allocates for tensors of these sizes. */
 HALFSTEP_C_API halfstep_status halfstep_workspace_bytes(const int64_t* numels, int64_t n_tensors, int32_t n_groups, size_t* out);
 
-/** Fills `config` with halfstep's defaults (CUDA backend, fp16, no clipping, spike off). */
+/** Fills `config` with halfstep's defaults (CUDA backend, fp16, no clipping, spike off).
+ *  grad_dtype may be HALFSTEP_F16, HALFSTEP_BF16 or HALFSTEP_F32; model_dtype HALFSTEP_F16 or
+ *  HALFSTEP_BF16 (tensors without a model copy pass model = NULL). */
 HALFSTEP_C_API void halfstep_config_init(halfstep_config* config);
 /** Fills `group` with AdamW's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, no decay). */
 HALFSTEP_C_API void halfstep_group_init(halfstep_group* group);
@@ -165,6 +173,19 @@ HALFSTEP_C_API halfstep_status halfstep_last_report(halfstep_optimizer* opt, hal
 HALFSTEP_C_API halfstep_status halfstep_nonfinite_counts(halfstep_optimizer* opt, int64_t* out, int64_t n_tensors);
 /** Sets a group's learning rate, ordered on `stream`. */
 HALFSTEP_C_API halfstep_status halfstep_set_lr(halfstep_optimizer* opt, int32_t group, float lr, void* stream);
+/** Sets every hyperparameter of a group (lr, betas, eps, weight decay) for the following steps,
+ *  ordered on `stream` (halfstep::FusedAdamW::set_group); its two flags must stay as built. */
+HALFSTEP_C_API halfstep_status halfstep_set_group(halfstep_optimizer* opt, int32_t group, const halfstep_group* h,
+                                                  void* stream);
+/** Points the following steps at new gradient buffers, grads[i] for tensor i (NULL: no gradient;
+ *  the tensor is left alone), ordered on `stream`, with no host synchronisation
+ *  (halfstep::FusedAdamW::set_gradients). */
+HALFSTEP_C_API halfstep_status halfstep_set_gradients(halfstep_optimizer* opt, const void* const* grads,
+                                                      int64_t n_tensors, void* stream);
+/** The next step's gradients are already divided by the loss scale (halfstep::FusedAdamW::mark_unscaled). */
+HALFSTEP_C_API halfstep_status halfstep_mark_unscaled(halfstep_optimizer* opt, void* stream);
+/** Sets the loss scale for the following steps, ordered on `stream` (halfstep::FusedAdamW::set_loss_scale). */
+HALFSTEP_C_API halfstep_status halfstep_set_loss_scale(halfstep_optimizer* opt, float scale, void* stream);
 /** Device memory holding a group's learning rate, for schedules computed on the device (host
  *  memory for the reference backend); an invalid value written there skips the step with
  *  HALFSTEP_REASON_INVALID_LEARNING_RATE. NULL on error. */
@@ -184,6 +205,10 @@ HALFSTEP_C_API const int64_t* halfstep_device_step_count(halfstep_optimizer* opt
 HALFSTEP_C_API halfstep_status halfstep_step_count(halfstep_optimizer* opt, int64_t* applied, int64_t* attempts);
 /** The whole optimizer state; waits for the last step. */
 HALFSTEP_C_API halfstep_status halfstep_get_state(halfstep_optimizer* opt, halfstep_state* out);
+/** Replaces the optimizer's own state (scaler, spike detector, counters), keeping its
+ *  configuration and rates (halfstep::FusedAdamW::set_state): carries a run over to a new
+ *  optimizer with more tensors. Checked first; waits for the last step. */
+HALFSTEP_C_API halfstep_status halfstep_set_state(halfstep_optimizer* opt, const halfstep_state* state);
 /** Writes the checkpoint into `buffer` (capacity bytes) and its size into *size. With a NULL
  *  buffer only *size is written. A buffer that is too small is an invalid argument. */
 HALFSTEP_C_API halfstep_status halfstep_save_state(halfstep_optimizer* opt, void* buffer, size_t capacity, size_t* size);

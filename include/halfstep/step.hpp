@@ -20,6 +20,10 @@ struct HALFSTEP_API AdamWConfig {
   float weight_decay = 0.0f;           ///< finite and >= 0
   bool decoupled_weight_decay = true;  ///< AdamW (p *= 1 - lr*wd); false: Adam + L2 (g += wd*p)
   bool bias_correction = true;         ///< divide the moments by 1 - beta^t
+  /// Applied steps taken before this group joined the run (a parameter group added to a running
+  /// optimizer): its bias corrections count t - step_offset, so its first step is its step 1, as
+  /// torch.optim counts it (and 1 while t <= step_offset). In [0, kCounterLimit].
+  std::int64_t step_offset = 0;
 
   /// Throws halfstep::Error naming the first field that breaks its rule.
   void validate() const;
@@ -44,8 +48,13 @@ struct ParamTensor {
 
 /// Everything that shapes a step.
 struct HALFSTEP_API StepConfig {
-  DType grad_dtype = DType::f16;            ///< f16 or bf16
+  DType grad_dtype = DType::f16;            ///< f16, bf16 or f32
   DType model_dtype = DType::f16;           ///< f16 or bf16 (tensors with a null model skip it)
+  /// The format the backward pass computed f32 gradients in: f16 (autocast to float16, the
+  /// default), bf16 or f32. The headroom and the subnormal count are measured against its range,
+  /// so that they say what they say for 16-bit gradients. For f16 and bf16 gradients their own
+  /// format is used, whatever this holds.
+  DType compute_dtype = DType::f16;
   std::vector<AdamWConfig> groups = std::vector<AdamWConfig>(1);  ///< at least one
   float max_grad_norm = 0.0f;               ///< clip the unscaled global norm to this; 0: no clip
   ScalerConfig scaler;                      ///< loss-scale rules
@@ -55,6 +64,12 @@ struct HALFSTEP_API StepConfig {
   /// Throws halfstep::Error naming the first field that breaks its rule.
   void validate() const;
 };
+
+/// The format the headroom and the subnormal count are measured against: the gradients' own for
+/// f16 and bf16 gradients, StepConfig::compute_dtype for f32 ones.
+inline DType measured_dtype(const StepConfig& config) {
+  return config.grad_dtype == DType::f32 ? config.compute_dtype : config.grad_dtype;
+}
 
 /// Validates `config` and every tensor against it: group index in range, numel >= 0, non-null
 /// and element-aligned pointers where numel > 0, no two buffers of the step overlapping.
@@ -114,8 +129,10 @@ struct StepReport {
   std::int32_t first_nonfinite_rank;   ///< lowest rank holding one (Distributed::rank; 0 in a
                                        ///< single-rank step); -1 if none
   float max_abs_scaled;                ///< largest finite |gradient| as stored (scaled)
-  float headroom_log2;                 ///< log2(format max / max_abs_scaled); +inf if all zero
-  std::int64_t subnormal_count;        ///< gradient elements stored as subnormals (in the norm)
+  float headroom_log2;                 ///< log2(format max / max_abs_scaled), the format's max that
+                                       ///< of measured_dtype; +inf if all zero
+  std::int64_t subnormal_count;        ///< gradient elements below the smallest normal of
+                                       ///< measured_dtype, zeros aside (in the norm)
   std::int64_t zero_count;             ///< gradient elements stored as ±0 (in the norm)
   std::int64_t numel;                  ///< gradient elements in the norm, over all ranks
   /// Elements of an applied step whose update would have written a value that is not finite —

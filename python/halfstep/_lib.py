@@ -12,11 +12,11 @@ ERROR_CUDA = 3
 ERROR_USAGE = 4
 ERROR_INTERNAL = 5
 
-F16, BF16 = 0, 1
+F16, BF16, F32 = 0, 1, 2
 BACKEND_CUDA, BACKEND_REFERENCE = 0, 1
 APPLIED, SKIPPED_OVERFLOW, SKIPPED_SPIKE, SKIPPED_NONFINITE_UPDATE, SKIPPED_INCONSISTENT = 0, 1, 2, 3, 4
 
-TOTALS_SUM_WORDS = 23
+TOTALS_SUM_WORDS = 24
 TOTALS_MAX_WORDS = 4
 
 # The structs of halfstep.h, field for field; python/tests/test_abi.py checks them against the
@@ -32,7 +32,7 @@ class Tensor(C.Structure):
 class Group(C.Structure):
     _fields_ = [("lr", C.c_float), ("beta1", C.c_float), ("beta2", C.c_float), ("eps", C.c_float),
                 ("weight_decay", C.c_float), ("decoupled_weight_decay", C.c_int32),
-                ("bias_correction", C.c_int32)]
+                ("bias_correction", C.c_int32), ("step_offset", C.c_int64)]
 
 
 class Config(C.Structure):
@@ -45,7 +45,8 @@ class Config(C.Structure):
                 ("headroom_margin_log2", C.c_float), ("spike_enabled", C.c_int32),
                 ("spike_skip", C.c_int32), ("spike_warmup_steps", C.c_int32),
                 ("spike_max_consecutive", C.c_int32), ("spike_z_threshold", C.c_float),
-                ("spike_ema_beta", C.c_float), ("spike_min_std", C.c_float)]
+                ("spike_ema_beta", C.c_float), ("spike_min_std", C.c_float),
+                ("compute_dtype", C.c_int32)]
 
 
 class Report(C.Structure):
@@ -104,6 +105,10 @@ def _load(path):
         "halfstep_last_report": (C.c_int, [P, C.POINTER(Report)]),
         "halfstep_nonfinite_counts": (C.c_int, [P, C.POINTER(C.c_int64), C.c_int64]),
         "halfstep_set_lr": (C.c_int, [P, C.c_int32, C.c_float, P]),
+        "halfstep_set_group": (C.c_int, [P, C.c_int32, C.POINTER(Group), P]),
+        "halfstep_set_gradients": (C.c_int, [P, C.POINTER(C.c_void_p), C.c_int64, P]),
+        "halfstep_mark_unscaled": (C.c_int, [P, P]),
+        "halfstep_set_loss_scale": (C.c_int, [P, C.c_float, P]),
         "halfstep_device_lr": (C.POINTER(C.c_float), [P, C.c_int32]),
         "halfstep_learning_rates": (C.c_int, [P, C.POINTER(C.c_float), C.c_int32]),
         "halfstep_loss_scale": (C.c_int, [P, C.POINTER(C.c_float)]),
@@ -111,6 +116,7 @@ def _load(path):
         "halfstep_device_step_count": (C.POINTER(C.c_int64), [P]),
         "halfstep_step_count": (C.c_int, [P, C.POINTER(C.c_int64), C.POINTER(C.c_int64)]),
         "halfstep_get_state": (C.c_int, [P, C.POINTER(State)]),
+        "halfstep_set_state": (C.c_int, [P, C.POINTER(State)]),
         "halfstep_save_state": (C.c_int, [P, P, C.c_size_t, C.POINTER(C.c_size_t)]),
         "halfstep_load_state": (C.c_int, [P, P, C.c_size_t]),
         "halfstep_last_error": (C.c_char_p, []),

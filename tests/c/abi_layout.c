@@ -38,6 +38,7 @@ int main(void) {
   FIELD(halfstep_group, weight_decay);
   FIELD(halfstep_group, decoupled_weight_decay);
   FIELD(halfstep_group, bias_correction);
+  FIELD(halfstep_group, step_offset);
   END();
 
   BEGIN(halfstep_config);
@@ -63,6 +64,7 @@ int main(void) {
   FIELD(halfstep_config, spike_z_threshold);
   FIELD(halfstep_config, spike_ema_beta);
   FIELD(halfstep_config, spike_min_std);
+  FIELD(halfstep_config, compute_dtype);
   END();
 
   BEGIN(halfstep_report);

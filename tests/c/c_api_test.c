@@ -135,6 +135,41 @@ int halfstep_c_api_exercise(const char* dir) {
     CHECK(66, halfstep_load_checkpoint(opt, names, 1, path) == HALFSTEP_ERROR_INVALID_ARGUMENT);
   }
   remove(path);
+
+  /* A group's hyperparameters, gradients that move (or are missing), a loss scale, gradients
+   * already unscaled. */
+  {
+    float before[N];
+    const void* moved[2];
+    const void* back[2];
+    halfstep_group h = groups[1];
+    h.beta1 = 0.8f;
+    h.lr = 2e-4f;
+    CHECK(90, halfstep_set_group(opt, 1, &h, NULL) == HALFSTEP_OK);
+    h.bias_correction = 0;
+    CHECK(91, halfstep_set_group(opt, 1, &h, NULL) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                  strstr(halfstep_last_error(), "fixed") != NULL);
+    moved[0] = grad[0];
+    moved[1] = NULL; /* tensor 1 has no gradient this step: left alone */
+    CHECK(92, halfstep_set_gradients(opt, moved, 2, NULL) == HALFSTEP_OK);
+    memcpy(before, master[1], sizeof before);
+    CHECK(93, halfstep_step(opt, NULL) == HALFSTEP_OK && halfstep_last_report(opt, &report) == HALFSTEP_OK);
+    CHECK(94, report.outcome == HALFSTEP_APPLIED && report.numel == N && memcmp(before, master[1], sizeof before) == 0);
+    back[0] = grad[0];
+    back[1] = grad[1];
+    CHECK(95, halfstep_set_gradients(opt, back, 2, NULL) == HALFSTEP_OK);
+    CHECK(96, halfstep_set_gradients(opt, back, 1, NULL) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+    CHECK(97, halfstep_set_loss_scale(opt, 512.0f, NULL) == HALFSTEP_OK &&
+                  halfstep_loss_scale(opt, &scale) == HALFSTEP_OK && scale == 512.0f);
+    CHECK(98, halfstep_set_loss_scale(opt, 0.0f, NULL) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+    CHECK(99, halfstep_mark_unscaled(opt, NULL) == HALFSTEP_OK);
+    for (t = 0; t < 2; ++t) {
+      for (i = 0; i < N; ++i) grad[t][i] = f16_bits(0.002f); /* already divided by the scale */
+    }
+    CHECK(100, halfstep_step(opt, NULL) == HALFSTEP_OK && halfstep_last_report(opt, &report) == HALFSTEP_OK);
+    CHECK(101, report.outcome == HALFSTEP_APPLIED && fabs(report.grad_norm - 0.002 * sqrt(2.0 * N)) < 1e-5 &&
+                   report.scale_used == 512.0f);
+  }
   halfstep_destroy(opt);
   halfstep_destroy(NULL);
 

@@ -78,14 +78,14 @@ inline void check_step(const halfstep::StepReport& got, const halfstep::StepRepo
     const HostTensor& b = before.tensors[t];
     const HostTensor& g = gpu_after.tensors[t];
     const HostTensor& r = ref_after.tensors[t];
-    REQUIRE(g.grad == b.grad);  // gradients are read, never written
+    REQUIRE((g.grad == b.grad && g.grad32 == b.grad32));  // gradients are read, never written
     if (want.outcome != Outcome::applied) {
       REQUIRE(g == b);  // a skipped step writes nothing
       continue;
     }
     const AdamWConfig& h = config.groups[static_cast<std::size_t>(b.group)];
     for (std::size_t i = 0; i < b.master.size(); ++i) {
-      const double x = from_bits16(config.grad_dtype, b.grad[i]);
+      const double x = b.grad_value(i);
       const AdamBound bound = adam_bound(b.master[i], b.exp_avg[i], b.exp_avg_sq[i], x,
                                          want.scale_used, clip, tol + 1.2e-7, h, applied_step);
       const std::uint16_t model_want =

@@ -84,6 +84,8 @@ struct DeviceModel {
   struct Tensor {
     DeviceArray<float> master, exp_avg, exp_avg_sq;
     DeviceArray<std::uint16_t> grad, model;
+    DeviceArray<std::uint32_t> grad32;  // fp32 gradients, as their bit patterns
+    bool f32 = false;
     bool with_model = true;
     std::int32_t group = 0;
   };
@@ -100,6 +102,8 @@ struct DeviceModel {
       d.exp_avg = DeviceArray<float>(t.exp_avg.size(), off());
       d.exp_avg_sq = DeviceArray<float>(t.exp_avg_sq.size(), off());
       d.grad = DeviceArray<std::uint16_t>(t.grad.size(), off());
+      d.grad32 = DeviceArray<std::uint32_t>(t.grad32.size(), off());
+      d.f32 = t.grad_dtype == halfstep::DType::f32;
       d.model = DeviceArray<std::uint16_t>(t.model.size(), off());
       d.with_model = t.with_model;
       d.group = t.group;
@@ -112,12 +116,15 @@ struct DeviceModel {
       tensors[t].master.upload(h.tensors[t].master);
       tensors[t].exp_avg.upload(h.tensors[t].exp_avg);
       tensors[t].exp_avg_sq.upload(h.tensors[t].exp_avg_sq);
-      tensors[t].grad.upload(h.tensors[t].grad);
       tensors[t].model.upload(h.tensors[t].model);
     }
+    upload_grads(h);
   }
   void upload_grads(const HostModel& h) {
-    for (std::size_t t = 0; t < tensors.size(); ++t) tensors[t].grad.upload(h.tensors[t].grad);
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      tensors[t].grad.upload(h.tensors[t].grad);
+      tensors[t].grad32.upload(h.tensors[t].grad32);
+    }
   }
   /// The device buffers, copied into a HostModel shaped like `like`.
   HostModel download(const HostModel& like) const {
@@ -127,6 +134,7 @@ struct DeviceModel {
       tensors[t].exp_avg.download(out.tensors[t].exp_avg);
       tensors[t].exp_avg_sq.download(out.tensors[t].exp_avg_sq);
       tensors[t].grad.download(out.tensors[t].grad);
+      tensors[t].grad32.download(out.tensors[t].grad32);
       tensors[t].model.download(out.tensors[t].model);
     }
     return out;
@@ -136,7 +144,7 @@ struct DeviceModel {
     for (Tensor& t : tensors) {
       halfstep::ParamTensor p;
       p.master = t.master.ptr;
-      p.grad = t.grad.ptr;
+      p.grad = t.f32 ? static_cast<const void*>(t.grad32.ptr) : static_cast<const void*>(t.grad.ptr);
       p.exp_avg = t.exp_avg.ptr;
       p.exp_avg_sq = t.exp_avg_sq.ptr;
       p.model = t.with_model ? t.model.ptr : nullptr;

@@ -84,6 +84,8 @@ struct GuardedModel {
   struct Tensor {
     Guarded<float> master, exp_avg, exp_avg_sq;
     Guarded<std::uint16_t> grad, model;
+    Guarded<std::uint32_t> grad32;  // fp32 gradients
+    bool f32 = false;
     bool with_model = true;
     std::int32_t group = 0;
   };
@@ -97,6 +99,8 @@ struct GuardedModel {
       d.exp_avg = Guarded<float>(t.exp_avg.size(), off(Misalign::exp_avg));
       d.exp_avg_sq = Guarded<float>(t.exp_avg_sq.size(), off(Misalign::exp_avg_sq));
       d.grad = Guarded<std::uint16_t>(t.grad.size(), off(Misalign::grad));
+      d.grad32 = Guarded<std::uint32_t>(t.grad32.size(), off(Misalign::grad));
+      d.f32 = t.grad_dtype == DType::f32;
       d.model = Guarded<std::uint16_t>(t.model.size(), off(Misalign::model));
       d.with_model = t.with_model;
       d.group = t.group;
@@ -110,12 +114,16 @@ struct GuardedModel {
       tensors[t].exp_avg.upload(h.tensors[t].exp_avg);
       tensors[t].exp_avg_sq.upload(h.tensors[t].exp_avg_sq);
       tensors[t].grad.upload(h.tensors[t].grad);
+      tensors[t].grad32.upload(h.tensors[t].grad32);
       tensors[t].model.upload(h.tensors[t].model);
     }
     GPU_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   }
   void upload_grads(const HostModel& h) {
-    for (std::size_t t = 0; t < tensors.size(); ++t) tensors[t].grad.upload(h.tensors[t].grad);
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      tensors[t].grad.upload(h.tensors[t].grad);
+      tensors[t].grad32.upload(h.tensors[t].grad32);
+    }
     GPU_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   }
   HostModel download(const HostModel& like) const {
@@ -125,6 +133,7 @@ struct GuardedModel {
       tensors[t].exp_avg.download(out.tensors[t].exp_avg);
       tensors[t].exp_avg_sq.download(out.tensors[t].exp_avg_sq);
       tensors[t].grad.download(out.tensors[t].grad);
+      tensors[t].grad32.download(out.tensors[t].grad32);
       tensors[t].model.download(out.tensors[t].model);
     }
     return out;
@@ -132,7 +141,7 @@ struct GuardedModel {
   bool canaries_intact() const {
     for (const Tensor& t : tensors) {
       if (!t.master.canaries_intact() || !t.exp_avg.canaries_intact() || !t.exp_avg_sq.canaries_intact() ||
-          !t.grad.canaries_intact() || !t.model.canaries_intact()) {
+          !t.grad.canaries_intact() || !t.grad32.canaries_intact() || !t.model.canaries_intact()) {
         return false;
       }
     }
@@ -143,7 +152,7 @@ struct GuardedModel {
     for (Tensor& t : tensors) {
       ParamTensor p;
       p.master = t.master.ptr;
-      p.grad = t.grad.ptr;
+      p.grad = t.f32 ? static_cast<const void*>(t.grad32.ptr) : static_cast<const void*>(t.grad.ptr);
       p.exp_avg = t.exp_avg.ptr;
       p.exp_avg_sq = t.exp_avg_sq.ptr;
       p.model = t.with_model ? t.model.ptr : nullptr;
@@ -156,20 +165,22 @@ struct GuardedModel {
 };
 
 /// Gradients S·N(0, sigma²) in `dtype`, with one element in eight an exact ±0 and one in eight a
-/// subnormal of the format (the underflow the telemetry counts).
+/// subnormal of the format the gradients were computed in (f16 for fp32 gradients: the underflow
+/// the telemetry counts).
 void fill_grads(std::mt19937_64& rng, HostTensor& t, DType dtype, float scale, double sigma = 1e-2) {
   std::normal_distribution<double> g(0.0, sigma);
-  const double min_sub = format_info(dtype).min_subnormal, min_normal = format_info(dtype).min_normal;
+  const DType measured = dtype == DType::f32 ? DType::f16 : dtype;
+  const double min_sub = format_info(measured).min_subnormal, min_normal = format_info(measured).min_normal;
   std::uniform_real_distribution<double> sub(min_sub, min_normal * 0.99);
-  for (std::size_t i = 0; i < t.grad.size(); ++i) {
+  for (std::size_t i = 0; i < t.size(); ++i) {
     const auto kind = rng() % 8;
     const double sign = rng() % 2 ? 1.0 : -1.0;
     if (kind == 0) {
-      t.grad[i] = to_bits16(dtype, sign * 0.0);
+      t.set_grad(i, sign * 0.0);
     } else if (kind == 1) {
-      t.grad[i] = to_bits16(dtype, sign * sub(rng));
+      t.set_grad(i, sign * sub(rng));
     } else {
-      t.grad[i] = to_bits16(dtype, g(rng) * scale);
+      t.set_grad(i, g(rng) * scale);
     }
   }
 }
@@ -191,6 +202,7 @@ struct Digest {
       vec(t.exp_avg);
       vec(t.exp_avg_sq);
       vec(t.grad);
+      vec(t.grad32);
       vec(t.model);
     }
   }
@@ -240,7 +252,7 @@ HostModel mirror_pass2(const HostModel& before, const StepReport& r, const StepC
     const AdamWConfig& h = c.groups[static_cast<std::size_t>(t.group)];
     const detail::GroupConsts k = detail::group_consts(detail::group_params(h), h.lr, r.step);
     for (std::size_t i = 0; i < t.master.size(); ++i) {
-      const float g = detail::unscale(static_cast<float>(from_bits16(c.grad_dtype, t.grad[i])), d);
+      const float g = detail::unscale(static_cast<float>(t.grad_value(i)), d);
       float p = t.master[i], m = t.exp_avg[i], v = t.exp_avg_sq[i];
       detail::adamw_update(p, m, v, g, k);
       const std::uint16_t model = to_bits16(c.model_dtype, p);
@@ -306,7 +318,7 @@ TEST_CASE("matrix: every size, format pair and misaligned buffer steps like the 
                                            3 * kChunk + 123};
   std::vector<std::uint64_t> digests;
   int index = 0;
-  for (DType grad : {DType::f16, DType::bf16}) {
+  for (DType grad : {DType::f16, DType::bf16, DType::f32}) {
     for (int model_kind = 0; model_kind < 3; ++model_kind) {  // f16, bf16, no model copy
       const DType model = model_kind == 1 ? DType::bf16 : DType::f16;
       for (int m = 0; m <= static_cast<int>(Misalign::model); ++m) {
@@ -314,7 +326,7 @@ TEST_CASE("matrix: every size, format pair and misaligned buffer steps like the 
         if (model_kind == 2 && misalign == Misalign::model) continue;
         ++index;
         const bool clip = index % 2 == 0;
-        const float scale = grad == DType::f16 ? 1024.0f : 1.0f;
+        const float scale = grad == DType::bf16 ? 1.0f : 1024.0f;  // f32: as if computed in fp16
         const StepConfig c = matrix_config(grad, model, scale, clip, /*two_groups=*/true);
         std::mt19937_64 rng(1000 + static_cast<std::uint64_t>(index));
         HostModel h = poisoned_model(rng(), sizes, scale, grad, model);
@@ -342,29 +354,28 @@ TEST_CASE("matrix: every size, format pair and misaligned buffer steps like the 
       }
     }
   }
-  CHECK(digests.size() == 34);
+  CHECK(digests.size() == 51);
   write_digest("sizes_formats_alignment", digests);
 }
 
 TEST_CASE("matrix: inf and NaN at the ends and middle of the first, middle and last tensors skip everything", "[gpu][matrix]") {
   const std::vector<std::int64_t> sizes = {kChunk + 5, 40, 3 * kChunk + 1};
   std::vector<std::uint64_t> digests;
-  for (DType grad : {DType::f16, DType::bf16}) {
-    const std::uint16_t specials[] = {
-        to_bits16(grad, HUGE_VAL), to_bits16(grad, -HUGE_VAL),
-        static_cast<std::uint16_t>(grad == DType::f16 ? 0x7E00 : 0x7FC0),   // quiet NaN
-        static_cast<std::uint16_t>(grad == DType::f16 ? 0xFC01 : 0xFF81)};  // signalling, negative
+  for (DType grad : {DType::f16, DType::bf16, DType::f32}) {
+    const SpecialBits sp = special_bits(grad);
+    const std::uint32_t sign = grad == DType::f32 ? 0x80000000u : 0x8000u;
+    const std::uint32_t specials[] = {sp.inf, sp.inf | sign, sp.quiet_nan, sp.signalling_nan};
     for (std::size_t t = 0; t < sizes.size(); ++t) {
       for (int where = 0; where < 3; ++where) {
-        for (std::uint16_t bad : specials) {
-          const float scale = grad == DType::f16 ? 2048.0f : 1.0f;
+        for (std::uint32_t bad : specials) {
+          const float scale = grad == DType::bf16 ? 1.0f : 2048.0f;
           const StepConfig c = matrix_config(grad, DType::f16, scale, true, false);
           std::mt19937_64 rng(77);
           HostModel h = poisoned_model(rng(), sizes, scale, grad, DType::f16);
           for (auto& x : h.tensors) fill_grads(rng, x, grad, scale);
-          const std::size_t n = h.tensors[t].grad.size();
+          const std::size_t n = h.tensors[t].size();
           const std::size_t i = where == 0 ? 0 : where == 1 ? n / 2 : n - 1;
-          h.tensors[t].grad[i] = bad;
+          h.tensors[t].set_grad_bits(i, bad);
           GuardedModel dev(h, Misalign::none);
           FusedAdamW opt(dev.views(), c);
           Digest digest;
@@ -390,9 +401,9 @@ TEST_CASE("matrix: 1000 tensors of 1 to 40 elements in two groups, and the first
   std::vector<std::int64_t> sizes(1000);
   for (auto& n : sizes) n = size(rng);
   std::vector<std::uint64_t> digests;
-  for (DType grad : {DType::f16, DType::bf16}) {
-    const float scale = grad == DType::f16 ? 512.0f : 1.0f;
-    const StepConfig c = matrix_config(grad, DType::bf16, scale, grad == DType::f16, true);
+  for (DType grad : {DType::f16, DType::bf16, DType::f32}) {
+    const float scale = grad == DType::bf16 ? 1.0f : 512.0f;
+    const StepConfig c = matrix_config(grad, DType::bf16, scale, grad != DType::bf16, true);
     HostModel h = poisoned_model(rng(), sizes, scale, grad, DType::bf16);
     for (std::size_t t = 0; t < h.tensors.size(); ++t) {
       h.tensors[t].group = static_cast<std::int32_t>(t % 3 == 0);
@@ -412,9 +423,10 @@ TEST_CASE("matrix: 1000 tensors of 1 to 40 elements in two groups, and the first
     }
     // Bad values in tensors 5, 517 (finalize's thread 5 folds chunks 5 and 517) and 999: the
     // report names the first.
-    h.tensors[5].grad[0] = to_bits16(grad, HUGE_VAL);
-    h.tensors[517].grad.back() = static_cast<std::uint16_t>(grad == DType::f16 ? 0x7E00 : 0x7FC0);
-    h.tensors[999].grad[0] = to_bits16(grad, -HUGE_VAL);
+    const SpecialBits sp = special_bits(grad);
+    h.tensors[5].set_grad_bits(0, sp.inf);
+    h.tensors[517].set_grad_bits(h.tensors[517].size() - 1, sp.quiet_nan);
+    h.tensors[999].set_grad_bits(0, sp.inf | (grad == DType::f32 ? 0x80000000u : 0x8000u));
     dev.upload_grads(h);
     const StepReport r = matrix_step(opt, dev, h, c, digest);
     REQUIRE(r.outcome == Outcome::skipped_overflow);

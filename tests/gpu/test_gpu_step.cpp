@@ -53,10 +53,10 @@ TEST_CASE("gpu step matches the reference at edge sizes for every dtype pair", "
   const std::int64_t large_odd = reduced_sizes() ? 100003 : 1000003;
   const std::vector<std::int64_t> sizes = {0, 1, 7, 33, kChunk - 1, kChunk, kChunk + 1, large_odd, 0};
   std::uint64_t seed = 1000;
-  for (DType grad : {DType::f16, DType::bf16}) {
+  for (DType grad : {DType::f16, DType::bf16, DType::f32}) {
     for (DType model : {DType::f16, DType::bf16}) {
       for (float max_norm : {0.0f, 0.5f}) {
-        const float scale = grad == DType::f16 ? 1024.0f : 1.0f;
+        const float scale = grad == DType::bf16 ? 1.0f : 1024.0f;
         HostModel h = poisoned_model(++seed, sizes, scale, grad, model);
         h.tensors[3].with_model = false;  // a tensor without a model copy
         DeviceModel dev(h);
@@ -79,8 +79,8 @@ TEST_CASE("gpu step matches the reference on seeded random sizes over several st
     std::vector<std::int64_t> sizes;
     for (int t = 0; t < 5; ++t) sizes.push_back(size(rng));
     const std::uint64_t seed = rng();
-    const DType grad = trial % 2 ? DType::bf16 : DType::f16;
-    const float scale = grad == DType::f16 ? 4096.0f : 1.0f;
+    const DType grad = trial % 3 == 0 ? DType::f16 : trial % 3 == 1 ? DType::bf16 : DType::f32;
+    const float scale = grad == DType::bf16 ? 1.0f : 4096.0f;
     HostModel h = poisoned_model(seed, sizes, scale, grad, DType::f16);
     DeviceModel dev(h);
     StepConfig c = config_for(grad, DType::f16, scale, trial % 3 ? 1.0f : 0.0f);
@@ -119,7 +119,7 @@ TEST_CASE("gpu step handles 10000 tiny tensors in one step", "[gpu]") {
 
 TEST_CASE("gpu step takes the scalar path for pointers offset by 1 to 3 elements", "[gpu]") {
   const std::vector<std::int64_t> sizes = {9, kChunk + 3, 1001};
-  for (DType grad : {DType::f16, DType::bf16}) {
+  for (DType grad : {DType::f16, DType::bf16, DType::f32}) {
     HostModel h = poisoned_model(8, sizes, 256.0f, grad, DType::bf16);
     DeviceModel dev(h, /*misalign=*/true);
     const StepConfig c = config_for(grad, DType::bf16, 256.0f, 0.3f);

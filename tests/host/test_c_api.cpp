@@ -102,10 +102,10 @@ TEST_CASE("c api reports errors as codes with a message", "[c_api]") {
   halfstep_group_init(&g);
   halfstep_config c = reference_config();
   halfstep_optimizer* opt = reinterpret_cast<halfstep_optimizer*>(0x1);
-  ts[2].grad = nullptr;
+  ts[2].exp_avg = nullptr;
   CHECK(halfstep_create(ts.data(), 3, &g, 1, &c, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
   CHECK(opt == nullptr);
-  CHECK_THAT(halfstep_last_error(), Catch::Contains("tensors[2].grad is null"));
+  CHECK_THAT(halfstep_last_error(), Catch::Contains("tensors[2].exp_avg is null"));
   ts = c_tensors(m);
   c.grad_dtype = 7;
   CHECK(halfstep_create(ts.data(), 3, &g, 1, &c, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);

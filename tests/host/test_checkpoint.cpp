@@ -151,23 +151,23 @@ TEST_CASE("a state and its configuration round-trip bit-exactly", "[checkpoint]"
 }
 
 TEST_CASE("the format's bytes are fixed: a known state and configuration encode to known bytes", "[checkpoint]") {
-  // What version 2 is for these values: a change to any of these bytes breaks every checkpoint
+  // What version 3 is for these values: a change to any of these bytes breaks every checkpoint
   // already saved.
   const std::string golden =
-      // "HSTP", version 2, 202 bytes of payload
-      "4853545002000000ca000000"
+      // "HSTP", version 3, 219 bytes of payload
+      "4853545003000000db000000"
       // the state
       "b4a21146110000000100000005000000000000000300000000000000040000000000000055555555"
       "5555d5bf0100000000000000d2040000000000000700000000000000020000000000000074f3c8f4"
       "e50000004ff7c8f4e5000000"
-      // the configuration, then 2 groups
-      "01000000c03f00008044000040400000803e64000000020000000100000040000080490100006040"
+      // the configuration (grad, model and compute dtype first), then 2 groups
+      "0100000000c03f00008044000040400000803e64000000020000000100000040000080490100006040"
       "010000a04048e17a3f14000000010000003e0900000002000000"
       // the groups
-      "52499d399a99593f52b87e3fbd378635cdcccc3d01006f12833acdcc4c3fa4707d3f95bfd6330ad7"
-      "233c0001"
+      "52499d399a99593f52b87e3fbd378635cdcccc3d01000000000000000000"
+      "6f12833acdcc4c3fa4707d3f95bfd6330ad7233c00010000000000000000"
       // CRC-32
-      "08114512";
+      "de14d727";
   const std::string bytes = encode_state(sample_state(), distinct_config());
   CHECK(hex(bytes) == golden);
   const SavedState back = decode_state(bytes);
@@ -175,20 +175,44 @@ TEST_CASE("the format's bytes are fixed: a known state and configuration encode 
   CHECK(encode_state(back.state, back.config) == bytes);  // every field read back where it was written
 }
 
+TEST_CASE("version 2 checkpoints still load: the same values, compute_dtype f16, step offsets 0", "[checkpoint]") {
+  // The version 2 bytes of the same state and configuration (no compute_dtype, no step_offset).
+  const std::string v2 =
+      "4853545002000000ca000000"
+      "b4a21146110000000100000005000000000000000300000000000000040000000000000055555555"
+      "5555d5bf0100000000000000d2040000000000000700000000000000020000000000000074f3c8f4"
+      "e50000004ff7c8f4e5000000"
+      "01000000c03f00008044000040400000803e64000000020000000100000040000080490100006040"
+      "010000a04048e17a3f14000000010000003e0900000002000000"
+      "52499d399a99593f52b87e3fbd378635cdcccc3d01006f12833acdcc4c3fa4707d3f95bfd6330ad7"
+      "233c0001"
+      "08114512";
+  std::string bytes;
+  for (std::size_t i = 0; i + 1 < v2.size(); i += 2) bytes.push_back(static_cast<char>(std::stoi(v2.substr(i, 2), nullptr, 16)));
+  const SavedState back = decode_state(bytes);
+  CHECK(back.state == sample_state());
+  CHECK(back.config.compute_dtype == DType::f16);
+  CHECK(encode_state(back.state, back.config) == encode_state(sample_state(), distinct_config()));
+  CHECK_NOTHROW(load_state(bytes, distinct_config()));
+}
+
 TEST_CASE("flags and formats out of range are refused; mismatches are named with their reason", "[checkpoint]") {
   const std::string bytes = encode_state(sample_state(), distinct_config());
   const auto with_byte = [&](std::size_t at, unsigned char value) {
     return with_field(bytes, at, static_cast<std::uint8_t>(value));
   };
-  // Offsets in the golden layout above: the configuration starts at 104, the groups at 170 and 192.
-  expect_corrupt(with_byte(104, 2), "halfstep state checkpoint: grad_dtype must be f16 or bf16, got code 2");
-  expect_corrupt(with_byte(105, 7), "model_dtype must be f16 or bf16, got code 7");
-  expect_corrupt(with_byte(130, 2), "ScalerConfig.consecutive_hysteresis must be 0 or 1, got 2");
-  expect_corrupt(with_byte(139, 3), "ScalerConfig.headroom_growth must be 0 or 1, got 3");
-  expect_corrupt(with_byte(144, 255), "SpikeConfig.enabled must be 0 or 1, got 255");
-  expect_corrupt(with_byte(157, 2), "SpikeConfig.action must be 0 or 1, got 2");
-  expect_corrupt(with_byte(190, 2), "AdamWConfig.decoupled_weight_decay must be 0 or 1, got 2");
-  expect_corrupt(with_byte(213, 2), "AdamWConfig.bias_correction must be 0 or 1, got 2");
+  // Offsets in the golden layout above: the configuration starts at 104, the groups at 171 and 201.
+  expect_corrupt(with_byte(104, 3), "halfstep state checkpoint: grad_dtype must be f16, bf16 or f32, got code 3");
+  expect_corrupt(with_byte(105, 7), "model_dtype must be f16, bf16 or f32, got code 7");
+  expect_corrupt(with_byte(105, 2), "StepConfig.model_dtype must be f16 or bf16");  // a format, not a copy's
+  expect_corrupt(with_byte(106, 5), "compute_dtype must be f16, bf16 or f32, got code 5");
+  expect_corrupt(with_byte(131, 2), "ScalerConfig.consecutive_hysteresis must be 0 or 1, got 2");
+  expect_corrupt(with_byte(140, 3), "ScalerConfig.headroom_growth must be 0 or 1, got 3");
+  expect_corrupt(with_byte(145, 255), "SpikeConfig.enabled must be 0 or 1, got 255");
+  expect_corrupt(with_byte(158, 2), "SpikeConfig.action must be 0 or 1, got 2");
+  expect_corrupt(with_byte(191, 2), "AdamWConfig.decoupled_weight_decay must be 0 or 1, got 2");
+  expect_corrupt(with_byte(222, 2), "AdamWConfig.bias_correction must be 0 or 1, got 2");
+  expect_corrupt(with_field(bytes, 193, std::int64_t{-1}), "AdamWConfig.step_offset must be in [0, kCounterLimit");
 
   const std::string prefix = "halfstep state checkpoint does not fit this StepConfig: ";
   StepConfig c = distinct_config();
@@ -204,8 +228,8 @@ TEST_CASE("flags and formats out of range are refused; mismatches are named with
   expect_mismatch(bytes, c, prefix + "model_dtype is f16 in the checkpoint and bf16 here "
                             "(the model copies are in it)");
   c = distinct_config();
-  c.groups[1].beta1 = 0.85f;
-  expect_mismatch(bytes, c, prefix + "groups[1].beta1 is 0.800000012 in the checkpoint and 0.850000024 here "
+  c.groups[1].decoupled_weight_decay = true;
+  expect_mismatch(bytes, c, prefix + "groups[1].decoupled_weight_decay is 0 in the checkpoint and 1 here "
                             "(the moments and bias correction were built with it)");
   // Several mismatches: the number of groups first, then the fields in the order they are recorded.
   c = distinct_config();
@@ -256,9 +280,9 @@ TEST_CASE("a wrong magic or an unknown version is rejected", "[checkpoint]") {
   magic[0] = 'X';
   expect_corrupt(magic, "wrong magic");
   expect_corrupt(std::string(200, '\0'), "wrong magic");
-  std::string v3 = bytes;
-  v3[4] = 3;
-  expect_corrupt(v3, "unknown format version 3");
+  std::string v4 = bytes;
+  v4[4] = 4;
+  expect_corrupt(v4, "unknown format version 4");
   std::string v1 = bytes;
   v1[4] = 1;
   expect_corrupt(v1, "version 1 recorded no configuration");
@@ -333,12 +357,11 @@ TEST_CASE("every single-bit flip with a recomputed checksum is refused or resume
       }
       (i < state_end ? accepted_state : accepted_config) += 1;
       CAPTURE(i, bit);
-      if (i >= state_end) {  // only fields that may change on purpose: max_grad_norm, init_scale,
-                             // and each group's lr, eps and weight_decay
-        const std::size_t group_base = i >= 170 ? 170 + (i - 170) / 22 * 22 : 0;
+      if (i >= state_end) {  // only fields that may differ: compute_dtype, max_grad_norm,
+                             // init_scale, and each group's lr, betas, eps, weight_decay and step_offset
+        const std::size_t group_base = i >= 171 ? 171 + (i - 171) / 30 * 30 : 0;
         const std::size_t in_group = i - group_base;
-        const bool allowed = (i >= 106 && i < 114) ||
-                             (group_base != 0 && (in_group < 4 || (in_group >= 12 && in_group < 20)));
+        const bool allowed = (i >= 106 && i < 115) || (group_base != 0 && (in_group < 20 || in_group >= 22));
         REQUIRE(allowed);
       }
       halfstep_test::HostModel run = m;
@@ -359,7 +382,7 @@ TEST_CASE("every single-bit flip with a recomputed checksum is refused or resume
   INFO("state: " << accepted_state << " of " << state_bits << " flips accepted; configuration: "
                  << accepted_config << " of " << config_bits);
   CHECK(state_bits == 736);
-  CHECK(config_bits == 880);
+  CHECK(config_bits == 1016);
   CHECK(accepted_state < state_bits / 2);  // version 1 accepted 601 of these 736
 }
 
@@ -393,9 +416,6 @@ TEST_CASE("a checkpoint from another configuration is refused, naming the field"
   c.scaler.growth_interval = 2000;
   expect_mismatch(bytes, c, "ScalerConfig.growth_interval");
   c = saved_with;
-  c.groups[1].beta2 = 0.95f;
-  expect_mismatch(bytes, c, "groups[1].beta2");
-  c = saved_with;
   c.groups[0].decoupled_weight_decay = false;
   expect_mismatch(bytes, c, "groups[0].decoupled_weight_decay");
   c = saved_with;
@@ -403,22 +423,33 @@ TEST_CASE("a checkpoint from another configuration is refused, naming the field"
   expect_mismatch(bytes, c, "groups[1].bias_correction");
 }
 
-TEST_CASE("what may change on purpose loads, and the checkpoint's learning rates are restored", "[checkpoint]") {
+TEST_CASE("what may differ loads, and the checkpoint's hyperparameters are restored", "[checkpoint]") {
   const StepConfig saved_with = sample_config();
   const std::string bytes = encode_state(sample_state(), saved_with);
   StepConfig c = saved_with;
   c.groups[0].lr = 5e-2f;           // the checkpoint's 3e-4 is restored
   c.groups[0].eps = 1e-6f;
   c.groups[1].weight_decay = 0.05f;
+  c.groups[1].beta2 = 0.95f;        // set_group may have changed the betas: they are restored too
+  c.groups[0].beta1 = 0.5f;
   c.max_grad_norm = 0.0f;
   c.scaler.init_scale = 1024.0f;
+  c.compute_dtype = DType::bf16;
   c.host_driven = true;
   const SavedState loaded = load_state(bytes, c);
   CHECK(loaded.state == sample_state());
-  CHECK(loaded.config.groups[0].lr == 3e-4f);
-  // A restored lr that this config's weight decay makes invalid is refused.
-  c.groups[0].weight_decay = 4000.0f;  // 3e-4 · 4000 = 1.2 >= 1
-  expect_mismatch(bytes, c, "groups[0].lr");
+  for (std::size_t g = 0; g < 2; ++g) {
+    CHECK(loaded.config.groups[g].lr == saved_with.groups[g].lr);
+    CHECK(loaded.config.groups[g].beta1 == saved_with.groups[g].beta1);
+    CHECK(loaded.config.groups[g].beta2 == saved_with.groups[g].beta2);
+    CHECK(loaded.config.groups[g].eps == saved_with.groups[g].eps);
+    CHECK(loaded.config.groups[g].weight_decay == saved_with.groups[g].weight_decay);
+  }
+  // A whole group is restored, so the restored lr meets the restored weight decay: a config
+  // whose own weight decay would refuse the checkpoint's lr loads.
+  c.groups[0].weight_decay = 4000.0f;  // 3e-4 · 4000 = 1.2 >= 1, but the checkpoint's decay is restored
+  c.groups[0].lr = 1e-4f;
+  CHECK_NOTHROW(load_state(bytes, c));
 }
 
 TEST_CASE("encode_state refuses what could not be loaded", "[checkpoint]") {

@@ -24,14 +24,14 @@ using halfstep_test::same_bits;
 
 namespace {
 
-// A record holding only the sum x · 2^-266 · 2^(32·limb) in its limbs.
+// A record holding only the sum x · 2^-298 · 2^(32·limb) in its limbs.
 StepTotals record_of_digits(const std::vector<std::uint64_t>& limbs) {
   StepTotals r{};
   for (std::size_t i = 0; i < limbs.size(); ++i) r.sum[i] = limbs[i];
   return r;
 }
 
-// Adds v · 2^shift (units of 2^-266) into 64-bit limbs, carrying.
+// Adds v · 2^shift (units of 2^-298) into 64-bit limbs, carrying.
 void add_at(std::vector<std::uint64_t>& limbs, std::uint64_t v, int shift) {
   unsigned __int128 x = static_cast<unsigned __int128>(v) << (shift % 32);
   for (std::size_t i = static_cast<std::size_t>(shift / 32); x != 0 && i < limbs.size(); ++i) {
@@ -53,7 +53,7 @@ std::vector<std::vector<ParamTensor>> cut(halfstep_test::HostModel& m, const std
       const std::size_t s = static_cast<std::size_t>(std::upper_bound(cuts.begin(), cuts.end(), flat) - cuts.begin());
       const std::int64_t end = s < cuts.size() ? std::min(t.numel, cuts[s] - at) : t.numel;
       ParamTensor p = t;
-      p.grad = static_cast<const std::uint16_t*>(t.grad) + i;
+      p.grad = static_cast<const unsigned char*>(t.grad) + i * static_cast<std::int64_t>(element_size(m.tensors[0].grad_dtype));
       p.master += i;
       p.exp_avg += i;
       p.exp_avg_sq += i;
@@ -71,21 +71,23 @@ std::vector<std::vector<ParamTensor>> cut(halfstep_test::HostModel& m, const std
 // subnormals, zeros and everything between.
 halfstep_test::HostModel adversarial(std::uint64_t seed, DType dtype, const std::vector<std::int64_t>& sizes) {
   std::mt19937_64 rng(seed);
-  halfstep_test::HostModel m = halfstep_test::random_model(seed, sizes, 1.0f, dtype, dtype);
-  const std::uint16_t max_bits = dtype == DType::f16 ? 0x7BFF : 0x7F7F;
+  halfstep_test::HostModel m =
+      halfstep_test::random_model(seed, sizes, 1.0f, dtype, dtype == DType::f32 ? DType::bf16 : dtype);
+  const std::uint32_t max_bits = halfstep_test::special_bits(dtype).max_finite;
+  const std::uint32_t sign = dtype == DType::f32 ? 0x80000000u : 0x8000u;
   std::uniform_int_distribution<int> kind(0, 5);
   std::uniform_int_distribution<std::uint32_t> any(0, max_bits);
   for (auto& t : m.tensors) {
-    for (auto& g : t.grad) {
-      std::uint16_t mag = 0;
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      std::uint32_t mag = 0;
       switch (kind(rng)) {
-        case 0: mag = max_bits; break;                                      // largest finite
-        case 1: mag = 1; break;                                             // smallest subnormal
-        case 2: mag = static_cast<std::uint16_t>(any(rng) & 0x7F); break;   // subnormal (or zero)
+        case 0: mag = max_bits; break;              // largest finite
+        case 1: mag = 1; break;                     // smallest subnormal
+        case 2: mag = any(rng) & 0x7F; break;       // subnormal (or zero)
         case 3: mag = 0; break;
-        default: mag = static_cast<std::uint16_t>(any(rng)); break;         // anything finite
+        default: mag = any(rng); break;             // anything finite
       }
-      g = static_cast<std::uint16_t>(mag | (rng() & 1 ? 0x8000 : 0));
+      t.set_grad_bits(i, mag | (rng() & 1 ? sign : 0u));
     }
   }
   return m;
@@ -96,10 +98,10 @@ halfstep_test::HostModel adversarial(std::uint64_t seed, DType dtype, const std:
 TEST_CASE("a limb deposit holds its value and converts back exactly", "[exact_sum]") {
   std::mt19937_64 rng(71);
   for (int trial = 0; trial < 20000; ++trial) {
-    // A double that is a multiple of 2^-266 and fits the deposit: a 53-bit significand at a random
+    // A double that is a multiple of 2^-298 and fits the deposit: a 53-bit significand at a random
     // exponent.
     const std::uint64_t significand = (rng() >> 11) | (std::uint64_t{1} << 52);
-    const int exponent = static_cast<int>(rng() % 500) - 266;  // lowest bit at 2^exponent
+    const int exponent = static_cast<int>(rng() % 520) - 298;  // lowest bit at 2^exponent
     const double x = std::ldexp(static_cast<double>(significand), exponent);
     const detail::LimbDeposit d = detail::limb_deposit(x);
     std::uint64_t limbs[detail::kSumLimbs] = {};
@@ -125,7 +127,7 @@ TEST_CASE("the kernels' rounding of the exact sum is the reference's, ties inclu
         break;
       }
       case 1:    // exactly halfway between two doubles: 54 significant bits ending in 1
-      case 2: {  // and one unit of 2^-266 either side of halfway
+      case 2: {  // and one unit of 2^-298 either side of halfway
         const std::uint64_t m54 = (rng() >> 10) | (std::uint64_t{1} << 53) | 1u;
         const int shift = static_cast<int>(rng() % 480);
         add_at(limbs, m54, shift);
@@ -153,7 +155,7 @@ TEST_CASE("the kernels' rounding of the exact sum is the reference's, ties inclu
       }
     }
     const StepTotals r = record_of_digits(limbs);
-    const double kernels = detail::decode_totals(r, true).sum_sq;  // (digits alone: not a whole record)
+    const double kernels = detail::decode_totals(r, DType::bf16).sum_sq;  // (digits alone: not a whole record)
     const double reference = detail::reference_sum_of_squares(r);
     CAPTURE(trial);
     REQUIRE(same_bits(kernels, reference));
@@ -162,21 +164,21 @@ TEST_CASE("the kernels' rounding of the exact sum is the reference's, ties inclu
   // Ties to even, by hand: 2^53 + 1 and 2^53 + 3 units lie halfway; they round to 2^53 and 2^53 + 4.
   std::vector<std::uint64_t> limbs(StepTotals::kSumLimbs, 0);
   add_at(limbs, (std::uint64_t{1} << 53) + 1, 0);
-  CHECK(detail::decode_totals(record_of_digits(limbs), false).sum_sq == std::ldexp(1.0, 53 - 266));
+  CHECK(detail::decode_totals(record_of_digits(limbs), DType::f16).sum_sq == std::ldexp(1.0, 53 - 298));
   std::fill(limbs.begin(), limbs.end(), 0);
   add_at(limbs, (std::uint64_t{1} << 53) + 3, 0);
-  CHECK(detail::decode_totals(record_of_digits(limbs), false).sum_sq ==
-        std::ldexp(static_cast<double>((std::uint64_t{1} << 53) + 4), -266));
+  CHECK(detail::decode_totals(record_of_digits(limbs), DType::f16).sum_sq ==
+        std::ldexp(static_cast<double>((std::uint64_t{1} << 53) + 4), -298));
 }
 
 TEST_CASE("the record of a set of gradients is the same however it is split and combined", "[exact_sum][distributed]") {
-  for (const DType dtype : {DType::f16, DType::bf16}) {
-    std::mt19937_64 rng(dtype == DType::f16 ? 73 : 74);
+  for (const DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+    std::mt19937_64 rng(73 + static_cast<int>(dtype));
     for (int trial = 0; trial < 40; ++trial) {
       halfstep_test::HostModel m = adversarial(rng(), dtype, {1, 777, 0, 4096, 31, 2500});
       StepConfig c;
       c.grad_dtype = dtype;
-      c.model_dtype = dtype;
+      c.model_dtype = dtype == DType::f32 ? DType::bf16 : dtype;
       const StepTotals whole = detail::reference_measure(m.views(), c, 0, nullptr);
       const TotalsSummary want = summarize(whole, dtype);
       // Random cut points anywhere in the flat space, 1 to 7 shards, combined in a random order
@@ -280,9 +282,71 @@ TEST_CASE("summarize refuses words no reduction of records could give", "[exact_
   r.sum[0] = 1;  // a square without elements
   CHECK_THROWS_WITH(summarize(r, DType::f16), Catch::Contains("exceeds the element count"));
   r.sum[0] = 0;
-  CHECK_THROWS_WITH(summarize(r, DType::f32), Catch::Contains("grad_dtype"));
+  CHECK_THROWS_WITH(summarize(r, static_cast<DType>(7)), Catch::Contains("grad_dtype"));
+  r.max[0] = 0x7F800000;  // fp32's +inf
+  CHECK_THROWS_WITH(summarize(r, DType::f32), Catch::Contains("max[0]"));
+  r.max[0] = 0x7F7FFFFF;  // fp32's largest: a finite f32 maximum, no f16 one
+  CHECK_NOTHROW(summarize(r, DType::f32));
+  CHECK_THROWS_WITH(summarize(r, DType::f16), Catch::Contains("max[0]"));
+  r.max[0] = 0;
   CHECK_NOTHROW(summarize(r, DType::bf16));
   CHECK(!summarize(r, DType::bf16).hyperparameters_agree);  // no rank's fingerprint
   r.max[3] = ~r.max[2];
   CHECK(summarize(r, DType::bf16).hyperparameters_agree);
+}
+
+TEST_CASE("pass 1's split part sums are exact at their bounds, in every window", "[exact_sum]") {
+  // A thread adds at most kMaxPerThread squares. For random windows (hints) of every format, the
+  // most extreme thread: every value at the window's top, at its bottom, or anywhere in it; its
+  // part sums, turned into integers and placed as digits, must equal the reference's own integer
+  // sum of the same squares.
+  std::mt19937_64 rng(77);
+  for (const DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+    const std::uint32_t max_finite = halfstep_test::special_bits(dtype).max_finite;
+    for (int trial = 0; trial < 300; ++trial) {
+      const std::uint32_t hint = static_cast<std::uint32_t>(rng() % (max_finite + 1ull));
+      const detail::SquareSplit split = detail::square_split(dtype, hint);
+      const std::uint32_t top = std::min(split.high, max_finite + 1) - 1;  // the largest pattern in it
+      std::vector<std::uint32_t> mags(detail::kMaxPerThread);
+      for (auto& m : mags) {
+        const int kind = trial % 3;
+        m = kind == 0 ? top : kind == 1 ? split.low
+                                        : split.low + static_cast<std::uint32_t>(rng() % (top - split.low + 1ull));
+      }
+      double sums[3] = {};
+      halfstep_test::HostModel model = halfstep_test::random_model(
+          1, {detail::kMaxPerThread}, 1.0f, dtype, dtype == DType::f32 ? DType::bf16 : dtype);
+      for (std::size_t i = 0; i < mags.size(); ++i) {
+        model.tensors[0].set_grad_bits(i, mags[i]);
+        const double x = model.tensors[0].grad_value(i);
+        if (split.parts == 2) {
+          double two[2] = {sums[0], sums[1]};
+          detail::add_square<2>(split, x, two);
+          sums[0] = two[0];
+          sums[1] = two[1];
+        } else {
+          detail::add_square<3>(split, x, sums);
+        }
+      }
+      std::int64_t parts[3] = {0, 0, 0};
+      for (int k = 0; k < split.parts; ++k) {
+        const double units = sums[k] * std::ldexp(1.0, -split.unit_log2[k]);
+        REQUIRE(units == std::trunc(units));               // an integer in its unit
+        REQUIRE(std::fabs(units) <= std::ldexp(1.0, 53));  // that fp64 held exactly
+        parts[k] = static_cast<std::int64_t>(units);
+      }
+      std::uint32_t digits[detail::kPartialDigits];
+      detail::place_parts(split, parts, digits);
+      std::uint64_t got[detail::kSumLimbs] = {};
+      const int base = detail::split_grid_offset(split) / 32;
+      for (int k = 0; k < detail::kPartialDigits && base + k < detail::kSumLimbs; ++k) got[base + k] = digits[k];
+      detail::limbs_normalize(got);
+      StepConfig c;
+      c.grad_dtype = dtype;
+      c.model_dtype = dtype == DType::f32 ? DType::bf16 : dtype;
+      const StepTotals want = detail::reference_measure(model.views(), c, 0, nullptr);
+      CAPTURE(dtype_name(dtype), trial, hint, split.low, top);
+      for (int i = 0; i < detail::kSumLimbs; ++i) REQUIRE(got[i] == want.sum[i]);
+    }
+  }
 }

@@ -262,14 +262,14 @@ TEST_CASE("setup rejects bad input before touching CUDA", "[fused][validate]") {
   HostModel m = model(47);
   for (Backend backend : {Backend::cuda, Backend::reference}) {
     auto v = m.views();
-    v[1].grad = nullptr;
-    CHECK_THROWS_WITH(FusedAdamW(v, StepConfig{}, backend), Catch::Contains("tensors[1].grad is null"));
+    v[1].exp_avg = nullptr;
+    CHECK_THROWS_WITH(FusedAdamW(v, StepConfig{}, backend), Catch::Contains("tensors[1].exp_avg is null"));
     v = m.views();
     v[3].group = 2;
     CHECK_THROWS_WITH(FusedAdamW(v, StepConfig{}, backend), Catch::Contains("tensors[3].group"));
     StepConfig c;
-    c.grad_dtype = DType::f32;
-    CHECK_THROWS_WITH(FusedAdamW(m.views(), c, backend), Catch::Contains("StepConfig.grad_dtype"));
+    c.model_dtype = DType::f32;
+    CHECK_THROWS_WITH(FusedAdamW(m.views(), c, backend), Catch::Contains("StepConfig.model_dtype"));
     c = StepConfig{};
     c.groups.clear();
     CHECK_THROWS_WITH(FusedAdamW(m.views(), c, backend), Catch::Contains("StepConfig.groups"));
@@ -371,11 +371,11 @@ TEST_CASE("workspace_bytes counts the table the partials and the state", "[fused
   const std::size_t many = workspace_bytes(std::vector<std::int64_t>(1000, 1), 1);
   CHECK(one > 0);
   CHECK(many > one);  // a table row and a chunk per tensor
-  // A billion parameters in one tensor: 30518 chunks of 52 bytes each (a 16-byte descriptor and a
-  // 36-byte partial: five Σg² digits and four counts).
+  // A billion parameters in one tensor: 30518 chunks of 56 bytes each (a 16-byte descriptor and a
+  // 40-byte partial: six Σg² digits and four counts).
   const std::size_t big = workspace_bytes({1000000000}, 2);
-  CHECK(big > 30518u * 52u);
-  CHECK(big < 30518u * 52u + 8192u);
+  CHECK(big > 30518u * 56u);
+  CHECK(big < 30518u * 56u + 8192u);
   CHECK(workspace_bytes({0, 0}, 1) < workspace_bytes({1, 1}, 1));
   CHECK_THROWS_WITH(workspace_bytes({5, -1}, 1), Catch::Contains("tensor_numels[1] must be >= 0"));
 }

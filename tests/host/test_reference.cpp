@@ -7,6 +7,7 @@
 #include <random>
 
 #include "halfstep/error.hpp"
+#include "halfstep/fused_adamw.hpp"
 #include "halfstep/reference.hpp"
 #include "host_buffers.hpp"
 
@@ -504,4 +505,47 @@ TEST_CASE("the reference grows the scale early when headroom growth is on", "[re
   OptimizerState s2 = OptimizerState::initial(c);
   HostModel m2 = random_model(25, {64}, 16.0f);
   CHECK(reference::step(m2.views(), c, s2).scale_next == 16.0f);
+}
+
+TEST_CASE("a group that joins a running optimizer counts its bias corrections from its own first step", "[reference]") {
+  // Two runs from the same buffers: a fresh optimizer's first step, and the step of a group added
+  // after 40 applied steps (step_offset 40). torch.optim counts a parameter's steps from its first
+  // one: both steps must write the same bits, on both backends.
+  for (const DType grad : {DType::f16, DType::f32}) {
+    HostModel fresh = random_model(91, {17, 5}, 1.0f, grad, DType::bf16);
+    HostModel joined = fresh;
+    StepConfig c;
+    c.grad_dtype = grad;
+    c.model_dtype = DType::bf16;
+    c.scaler = ScalerConfig::constant(1.0f);
+    OptimizerState s0 = OptimizerState::initial(c);
+    reference::step(fresh.views(), c, s0);
+    StepConfig later = c;
+    later.groups[0].step_offset = 40;
+    OptimizerState s40 = OptimizerState::initial(later);
+    s40.step = s40.attempts = 40;
+    reference::step(joined.views(), later, s40);
+    CAPTURE(dtype_name(grad));
+    for (std::size_t t = 0; t < 2; ++t) CHECK(fresh.tensors[t] == joined.tensors[t]);
+    // And a group without the offset, 40 steps in, takes another (smaller) first step.
+    HostModel old = random_model(91, {17, 5}, 1.0f, grad, DType::bf16);
+    OptimizerState s = OptimizerState::initial(c);
+    s.step = s.attempts = 40;
+    reference::step(old.views(), c, s);
+    CHECK(!(old.tensors[0] == fresh.tensors[0]));
+    // The backend reads the offset too, and a checkpoint restores it.
+    HostModel b = random_model(91, {17, 5}, 1.0f, grad, DType::bf16);
+    FusedAdamW opt(b.views(), later, Backend::reference);
+    OptimizerState st = OptimizerState::initial(later);
+    st.step = st.attempts = 40;
+    opt.set_state(st);
+    opt.step();
+    for (std::size_t t = 0; t < 2; ++t) CHECK(b.tensors[t] == fresh.tensors[t]);
+    const std::string saved = opt.save_state();
+    AdamWConfig moved = later.groups[0];
+    moved.step_offset = 3;
+    opt.set_group(0, moved);
+    opt.load_state(saved);
+    CHECK(opt.config().groups[0].step_offset == 40);
+  }
 }

@@ -25,7 +25,7 @@ namespace {
 
 // Pass 1's record as the reference measures it, decoded by the kernels' code (decode_totals).
 Totals host_totals(const std::vector<ParamTensor>& tensors, const StepConfig& c) {
-  return decode_totals(reference_measure(tensors, c, 0, nullptr), c.grad_dtype == DType::bf16);
+  return decode_totals(reference_measure(tensors, c, 0, nullptr), c.grad_dtype);
 }
 
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
@@ -42,7 +42,8 @@ void decide_for(const Totals& totals, OptimizerState& state, const StepConfig& c
   }
   DecideParams p = decide_params(c);
   p.device_scaler = device_scaler;
-  decide(totals, state, p, groups.data(), lr.data(), static_cast<std::int32_t>(groups.size()), report, decision);
+  decide(totals, state, p, groups.data(), lr.data(), static_cast<std::int32_t>(groups.size()), false, report,
+         decision);
 }
 
 }  // namespace
