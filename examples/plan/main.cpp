@@ -19,10 +19,12 @@
 namespace {
 
 const char* kDescription = R"(halfstep-plan: prints the device memory of halfstep's per-parameter buffers — fp32 master
-weights (4 B), fp32 Adam moments (8 B), the 16-bit gradients (2 B), the 16-bit model copy (2 B,
-or none) — and the step's workspace, then how many parameters fit in --memory. With --ranks N
-(ZeRO-1 data parallelism) it prints one rank's share: the masters and moments sharded over the
-ranks, the gradients and the model copy whole on every rank.)";
+weights (4 B), fp32 Adam moments (8 B), the gradients (2 B for f16 and bf16, 4 B for f32), the
+16-bit model copy (2 B, or none; with f32 gradients the parameters are fp32, the masters
+themselves, so by default there is none) — and the step's workspace, then how many parameters
+fit in --memory. With --ranks N (ZeRO-1 data parallelism) it prints one rank's share: the
+masters and moments sharded over the ranks, the gradients and the model copy whole on every
+rank.)";
 
 const char* kFooter = R"(
 Activations, the forward and backward passes' workspace and the framework's own buffers are not
@@ -109,7 +111,8 @@ struct RankPlan {
   long double total = 0;
 };
 
-RankPlan plan_rank(double params, double tensors, double groups, double ranks, double model_bytes) {
+RankPlan plan_rank(double params, double tensors, double groups, double ranks, double grad_bytes,
+                   double model_bytes) {
   RankPlan p;
   p.shard = std::ceil(params / ranks);
   p.padded = p.shard * ranks;
@@ -117,7 +120,8 @@ RankPlan plan_rank(double params, double tensors, double groups, double ranks, d
   const double pieces =
       ranks == 1 ? tensors : std::min({tensors, p.shard, std::ceil(p.shard / (params / tensors)) + 1});
   p.workspace = workspace(p.shard, pieces, groups);
-  p.total = 12.0L * p.shard + (2.0L + model_bytes) * p.padded + std::max(p.workspace, 0.0);
+  p.total = 12.0L * p.shard + (static_cast<long double>(grad_bytes) + model_bytes) * p.padded +
+            std::max(p.workspace, 0.0);
   return p;
 }
 
@@ -128,7 +132,7 @@ int main(int argc, char** argv) {
   // as its total memory (totalGlobalMem; nvidia-smi shows 143771 MiB, counting what the driver
   // keeps). The default was 141 GiB, 1.2 GiB more than the device has.
   double params = 0, memory = 143156.0 * 1024 * 1024, tensors = 0, groups = 2, ranks = 1;
-  std::string grad = "f16", model = "f16";
+  std::string grad = "f16", model;
   const Units counts = {{"K", 1e3}, {"M", 1e6}, {"B", 1e9}, {"G", 1e9}, {"T", 1e12}};
   const Units sizes = {{"B", 1},         {"KB", 1e3},          {"MB", 1e6},
                        {"GB", 1e9},      {"TB", 1e12},         {"KiB", 1024.0},
@@ -139,8 +143,12 @@ int main(int argc, char** argv) {
   app.add_option("--params", params, "parameters: a number (7e9, 1500000) or with K, M, B or T (350M, 7B)")
       ->required()
       ->transform(amount(counts, "N"));
-  app.add_option("--grad", grad, "gradient format (default f16)")->check(CLI::IsMember({"f16", "bf16"}));
-  app.add_option("--model", model, "model copy format (default f16; none: no copy is written)")
+  app.add_option("--grad", grad,
+                 "gradient format (default f16; f32: fp32 parameters, trained under autocast)")
+      ->check(CLI::IsMember({"f16", "bf16", "f32"}));
+  app.add_option("--model", model,
+                 "model copy format (default: the gradients' for f16 and bf16, none for f32; none: no\n"
+                 "copy is written)")
       ->check(CLI::IsMember({"f16", "bf16", "none"}));
   app.add_option("--memory", memory,
                  "device memory: bytes, or with KB MB GB TB (10^3) or KiB MiB GiB TiB (2^10)\n"
@@ -173,9 +181,11 @@ int main(int argc, char** argv) {
     return fail("--ranks must be a whole number up to 2^31 - 1 and no larger than --params");
   }
 
+  if (model.empty()) model = grad == "f32" ? "none" : grad;
+  const double grad_bytes = grad == "f32" ? 4.0 : 2.0;
   const double model_bytes = model == "none" ? 0.0 : 2.0;
   const bool sharded = ranks > 1;
-  const RankPlan mine = plan_rank(params, tensors, groups, ranks, model_bytes);
+  const RankPlan mine = plan_rank(params, tensors, groups, ranks, grad_bytes, model_bytes);
 
   std::printf("halfstep-plan: %.4g parameters in %.*g tensors, %s gradients, %s model copy", params,
               tensors < 1e9 ? 9 : 4, tensors, grad.c_str(), model == "none" ? "no" : model.c_str());
@@ -186,9 +196,10 @@ int main(int argc, char** argv) {
     std::printf("  %-34s %11.4Lg  %12s\n", name.c_str(), bytes / params, bytes_text(bytes).c_str());
   };
   const std::string share = sharded ? ", sharded" : "", whole = sharded ? ", on every rank" : "";
-  row("fp32 master weights" + share, 4.0L * mine.shard);
+  row(std::string(grad == "f32" && !sharded ? "fp32 masters (the parameters)" : "fp32 master weights") + share,
+      4.0L * mine.shard);
   row("fp32 Adam moments (m, v)" + share, 8.0L * mine.shard);
-  row(grad + " gradients" + whole, 2.0L * mine.padded);
+  row(grad + " gradients" + whole, static_cast<long double>(grad_bytes) * mine.padded);
   if (model_bytes > 0) row(model + " model copy" + whole, 2.0L * mine.padded);
   if (mine.workspace >= 0) {
     row("step workspace", mine.workspace);
@@ -201,11 +212,11 @@ int main(int argc, char** argv) {
   // average size, the same ranks), within what one step can hold on each rank.
   const double per_tensor = params / tensors;
   const double most_per_step = 2147483647.0 * static_cast<double>(halfstep::chunk_elements());
-  double lo = 0, hi = std::min(memory / (12.0 / ranks + 2.0 + model_bytes), most_per_step * ranks) + 1;
+  double lo = 0, hi = std::min(memory / (12.0 / ranks + grad_bytes + model_bytes), most_per_step * ranks) + 1;
   for (int i = 0; i < 200 && hi - lo > 0.5; ++i) {
     const double mid = std::floor((lo + hi) / 2);
     const RankPlan p = plan_rank(mid, std::max(1.0, std::ceil(mid / per_tensor)), groups, std::min(ranks, mid),
-                                 model_bytes);
+                                 grad_bytes, model_bytes);
     (mid > 0 && p.workspace >= 0 && p.total <= memory ? lo : hi) = mid;
   }
   if (mine.workspace < 0) {

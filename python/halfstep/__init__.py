@@ -9,13 +9,13 @@ addresses. `halfstep.torch.FusedAdamW` is the torch.optim optimizer built on it 
 import ctypes as _C
 import math as _math
 
-from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID_ARGUMENT, ERROR_USAGE, F16,
+from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID_ARGUMENT, ERROR_USAGE, F16, F32,
                    SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE, SKIPPED_OVERFLOW, SKIPPED_SPIKE,
                    TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group, HalfstepError, Report, State, Tensor,
                    check, lib, library_path)
 
 __all__ = ["Optimizer", "HalfstepError", "version", "has_nccl", "config", "group", "report_dict", "SCALER_OPTIONS",
-           "SPIKE_OPTIONS", "F16", "BF16", "BACKEND_CUDA", "BACKEND_REFERENCE", "TOTALS_SUM_WORDS",
+           "SPIKE_OPTIONS", "F16", "BF16", "F32", "BACKEND_CUDA", "BACKEND_REFERENCE", "TOTALS_SUM_WORDS",
            "TOTALS_MAX_WORDS"]
 
 
@@ -40,24 +40,32 @@ SPIKE_OPTIONS = ("enabled", "z_threshold", "ema_beta", "warmup_steps", "action",
                  "min_std")
 
 
-_DTYPE_NAMES = {"float16": F16, "fp16": F16, "bfloat16": BF16, "bf16": BF16, F16: F16, BF16: BF16}
+_DTYPE_NAMES = {"float16": F16, "fp16": F16, "bfloat16": BF16, "bf16": BF16, "float32": F32, "fp32": F32, F16: F16,
+                BF16: BF16, F32: F32}
 _BACKEND_NAMES = {"cuda": BACKEND_CUDA, "reference": BACKEND_REFERENCE, BACKEND_CUDA: BACKEND_CUDA,
                   BACKEND_REFERENCE: BACKEND_REFERENCE}
 
 
-def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spike=None, host_driven=False):
+def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spike=None, host_driven=False,
+           compute_dtype="float16"):
     """A halfstep_config: the library's defaults, then `scaler` and `spike` options by name (a dict,
-    or an object with those attributes). `dtype` is the gradients' and model copy's format:
-    "float16" or "bfloat16" (or F16, BF16); `backend` is "cuda" (device pointers) or "reference"
-    (host memory, the CPU reference step) (or BACKEND_CUDA, BACKEND_REFERENCE). Unknown names
-    raise ValueError."""
+    or an object with those attributes). `dtype` is the gradients' format, "float16", "bfloat16" or
+    "float32" (or F16, BF16, F32), and for 16-bit gradients the model copy's too (float32
+    gradients come with float32 parameters, which are the masters: no model copy); `compute_dtype`
+    is the format float32 gradients were computed in, which the headroom and subnormal count are
+    measured against; `backend` is "cuda" (device pointers) or "reference" (host memory, the CPU
+    reference step) (or BACKEND_CUDA, BACKEND_REFERENCE). Unknown names raise ValueError."""
     if dtype not in _DTYPE_NAMES:
-        raise ValueError("dtype must be 'float16' or 'bfloat16', got %r" % (dtype,))
+        raise ValueError("dtype must be 'float16', 'bfloat16' or 'float32', got %r" % (dtype,))
+    if compute_dtype not in _DTYPE_NAMES:
+        raise ValueError("compute_dtype must be 'float16', 'bfloat16' or 'float32', got %r" % (compute_dtype,))
     if backend not in _BACKEND_NAMES:
         raise ValueError("backend must be 'cuda' or 'reference', got %r" % (backend,))
     c = Config()
     lib.halfstep_config_init(_C.byref(c))
-    c.grad_dtype = c.model_dtype = _DTYPE_NAMES[dtype]
+    c.grad_dtype = _DTYPE_NAMES[dtype]
+    c.model_dtype = c.grad_dtype if c.grad_dtype != F32 else F16  # (f32: no tensor has a model copy)
+    c.compute_dtype = _DTYPE_NAMES[compute_dtype]
     c.backend = _BACKEND_NAMES[backend]
     c.max_grad_norm = _fp32(max_grad_norm, "max_grad_norm")
     c.host_driven = 1 if host_driven else 0
@@ -94,6 +102,12 @@ def _int32(value, name):
     return int(value)
 
 
+def _int64(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or not -2 ** 63 <= value < 2 ** 63:
+        raise ValueError("%s must be an integer the C API's int64 holds, got %r" % (name, value))
+    return int(value)
+
+
 def _fp32(value, name):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("%s must be a number, got %r" % (name, value))
@@ -118,8 +132,8 @@ def _options(given, names, what):
 
 
 def group(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
-          bias_correction=True):
-    """A halfstep_group (AdamWConfig)."""
+          bias_correction=True, step_offset=0):
+    """A halfstep_group (AdamWConfig); step_offset: applied steps taken before the group joined."""
     g = Group()
     lib.halfstep_group_init(_C.byref(g))
     for name, value in (("beta1", beta1), ("beta2", beta2)):
@@ -129,6 +143,7 @@ def group(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled
     g.eps, g.weight_decay = _fp32(eps, "eps"), _fp32(weight_decay, "weight_decay")
     g.decoupled_weight_decay = 1 if decoupled_weight_decay else 0
     g.bias_correction = 1 if bias_correction else 0
+    g.step_offset = _int64(step_offset, "step_offset")
     return g
 
 
@@ -206,6 +221,27 @@ class Optimizer:
 
     def set_lr(self, group, lr, stream=0):
         check(lib.halfstep_set_lr(self.handle, int(group), float(lr), stream or None))
+
+    def set_group(self, group, g, stream=0):
+        """Every hyperparameter of `group` (a `group(...)`) for the following steps, on `stream`."""
+        check(lib.halfstep_set_group(self.handle, int(group), _C.byref(g), stream or None))
+
+    def set_gradients(self, addresses, stream=0):
+        """New gradient addresses, one per tensor (0: no gradient this step), on `stream`."""
+        arr = (_C.c_void_p * max(len(addresses), 1))(*[a or None for a in addresses])
+        check(lib.halfstep_set_gradients(self.handle, arr, len(addresses), stream or None))
+
+    def mark_unscaled(self, stream=0):
+        """The next step's gradients are already divided by the loss scale."""
+        check(lib.halfstep_mark_unscaled(self.handle, stream or None))
+
+    def set_loss_scale(self, scale, stream=0):
+        check(lib.halfstep_set_loss_scale(self.handle, float(scale), stream or None))
+
+    def set_state(self, state):
+        """Replaces the optimizer's own state (a dict as `state()` returns it)."""
+        s = State(**{name: state[name] for name, _ in State._fields_})
+        check(lib.halfstep_set_state(self.handle, _C.byref(s)))
 
     def learning_rates(self):
         out = (_C.c_float * max(self.n_groups, 1))()

@@ -63,7 +63,7 @@ def train(params, opt, dtype, rank, world, lr_change=None):
                 t, i = flat_position(flat)
                 grads[t].view(-1)[i] = value
         for p, g in zip(params, grads):
-            p.grad.copy_(g)
+            p.grad = g.clone()
         opt.step()
         reports.append(opt.last_report())
     return reports
@@ -99,6 +99,7 @@ def main():
     elif mode == "mixedsteps":
         params, opt = make(dtype, dist.group.WORLD, shard)
         for k in range(4):  # every rank takes every step (collectives); rank r saves after 2 + r
+            float(opt.loss_scale)  # (no gradients: a step that moves nothing, its scale read)
             opt.step()
             if k == 1 + rank:
                 sd = opt.state_dict()

@@ -44,7 +44,7 @@ def without(report, *keys):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_inf_on_one_rank_skips_every_rank_with_one_report(world, shard, dtype, tmp_path):
     results = launch(world, shard, dtype, tmp_path)
     # One process, the same gradients, the same inf/NaN at the same places.
@@ -58,7 +58,7 @@ def test_inf_on_one_rank_skips_every_rank_with_one_report(world, shard, dtype, t
                 t, i = W.flat_position(flat)
                 grads[t].view(-1)[i] = value
         for p, g in zip(params, grads):
-            p.grad.copy_(g)
+            p.grad = g.clone()
         opt.step()
         single.append(opt.last_report())
 

@@ -10,11 +10,11 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("PyTorch sees no CUDA device", allow_module_level=True)
 
-from halfstep.torch import FusedAdamW  # noqa: E402
+from halfstep.torch import FusedAdamW, GradScaler  # noqa: E402
 
 from helpers import U, first_nonfinite, fresh_params, scaled_grads  # noqa: E402
 
-DTYPES = [torch.float16, torch.bfloat16]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SHAPES = [(300, 7), (1,), (4097,), (64, 33)]
 
 
@@ -41,8 +41,8 @@ def test_cuda_step_agrees_with_the_cpu_step(dtype):
             t, i = inject[step]
             grads[t].view(-1)[i] = [math.inf, -math.inf, math.nan][step % 3]
         for p, q, g in zip(cpu_params, gpu_params, grads):
-            p.grad.copy_(g)
-            q.grad.copy_(g)
+            p.grad = g.clone()
+            q.grad = g.to("cuda")
         cpu.step()
         gpu.step()
         a, b = cpu.last_report(), gpu.last_report()
@@ -123,3 +123,32 @@ def test_forward_backward_and_step_captured_in_a_cuda_graph(dtype):
     assert losses[-1][0] < losses[0][0], "the captured steps train"
     for p, q in zip(model.parameters(), eager_model.parameters()):
         assert torch.allclose(p.float(), q.float(), rtol=5e-2, atol=5e-3)
+
+
+def test_autocast_with_fp32_parameters_and_the_grad_scaler_never_synchronises():
+    # The recipe PyTorch's AMP documentation teaches, with halfstep's GradScaler: no host
+    # synchronisation per step, and the overflow a poisoned step makes is skipped.
+    torch.manual_seed(25)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+    opt = FusedAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    scaler = GradScaler(init_scale=2.0 ** 12, growth_interval=4)
+    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 64, device="cuda")
+    poison = torch.ones((), device="cuda")
+
+    def train_step():
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x), y) * poison
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    train_step()  # the first step binds the scaler (a rebuild, before anything ran)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in range(8):
+            poison.fill_(math.inf if k == 3 else 1.0)
+            train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt.scaler_state()["overflows"] >= 1 and int(opt.applied_steps) >= 7

@@ -28,7 +28,7 @@ def run(params, opt, steps, seed=2, magnitude=1e-2):
     for _ in range(steps):
         _, grads = scaled_grads(SHAPES, params[0].dtype, float(opt.loss_scale), gen, magnitude)
         for p, g in zip(params, grads):
-            p.grad.copy_(g)
+            p.grad = g.clone()
         opt.step()
 
 
@@ -45,7 +45,7 @@ def same_state(a, b):
 
 # -- 1. resuming restores the weights the user had --------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_weights_loaded_after_construction_are_what_a_state_dict_resumes(dtype):
     pretrained = fresh_params(SHAPES, dtype, seed=7)
     params = fresh_params(SHAPES, dtype, seed=1)  # the random initialisation
@@ -102,13 +102,14 @@ def test_loss_scale_and_applied_steps_are_copies_the_user_cannot_corrupt():
 
 
 def test_steps_from_several_threads_are_serialised():
-    params, twin_params = fresh_params(SHAPES, torch.float16, seed=1), fresh_params(SHAPES, torch.float16, seed=1)
+    # (bf16: the steps need no scale read in between, which several threads could not give each)
+    params, twin_params = fresh_params(SHAPES, torch.bfloat16, seed=1), fresh_params(SHAPES, torch.bfloat16, seed=1)
     opt, twin = build(params), build(twin_params)
     gen = torch.Generator().manual_seed(4)
-    _, grads = scaled_grads(SHAPES, torch.float16, float(opt.loss_scale), gen, 1e-3)
+    _, grads = scaled_grads(SHAPES, torch.bfloat16, float(opt.loss_scale), gen, 1e-3)
     for p, q, g in zip(params, twin_params, grads):
-        p.grad.copy_(g)
-        q.grad.copy_(g)
+        p.grad = g.clone()
+        q.grad = g.clone()
     threads = [threading.Thread(target=lambda: [opt.step() for _ in range(25)]) for _ in range(4)]
     for t in threads:
         t.start()
@@ -127,11 +128,11 @@ def test_param_groups_changed_after_construction_are_refused_and_nothing_changes
     before = state_of(opt)
     extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
     opt.param_groups[1]["params"].append(extra)
-    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\] was changed after construction"):
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\] was changed in place.*add_param_group"):
         opt.step()
     opt.param_groups[1]["params"].pop()
     removed = opt.param_groups.pop(0)
-    with pytest.raises(ValueError, match="param_groups has 1 groups; this optimizer was built with 2"):
+    with pytest.raises(ValueError, match="param_groups has 1 groups; this optimizer has 2"):
         opt.step()
     opt.param_groups.insert(0, removed)
     opt.param_groups[0]["params"][0] = extra
@@ -139,12 +140,13 @@ def test_param_groups_changed_after_construction_are_refused_and_nothing_changes
         opt.step()
     opt.param_groups[0]["params"][0] = params[0]
     assert same_state(state_of(opt), before)
+    float(opt.loss_scale)
     opt.step()  # restored: it steps again
     assert opt.scaler_state()["attempts"] == 3
 
 
-@pytest.mark.parametrize("bad, error", [("0.5", "must be a number"), (1e-50, "rounds to 0 in fp32"),
-                                        (1e300, "must be finite"), (math.nan, "must be finite"),
+@pytest.mark.parametrize("bad, error", [("0.5", "Invalid lr"), (1e-50, "rounds to 0 in fp32"),
+                                        (1e300, "Invalid learning rate"), (math.nan, "Invalid learning rate"),
                                         (-1e-3, ">= 0"), (20.0, r"weight_decay must be < 1")])
 def test_a_refused_step_pushes_no_learning_rate_and_takes_no_weights(bad, error):
     params = fresh_params(SHAPES, torch.float16, seed=1)
@@ -160,16 +162,20 @@ def test_a_refused_step_pushes_no_learning_rate_and_takes_no_weights(bad, error)
     assert opt._opt.learning_rates() == before[2], "group 0's new rate was not pushed"
     assert opt._versions != [p._version for p in params], "the written weights were not taken"
     opt.param_groups[1]["lr"] = 3e-3
+    float(opt.loss_scale)
     opt.step()
     assert opt._opt.learning_rates()[0] == ctypes.c_float(5e-3).value
 
 
-def test_a_gradient_buffer_resized_in_place_is_refused():
+def test_a_gradient_resized_in_place_is_refused():
     params = fresh_params(SHAPES, torch.bfloat16, seed=1)
     opt = build(params)
+    run(params, opt, 1)
+    before = state_of(opt)
     params[1].grad.resize_(2)  # shrinks in place: the same storage, fewer elements
-    with pytest.raises(RuntimeError, match=r"gradient buffer \(.grad\) of parameter 1 now has other storage"):
+    with pytest.raises(RuntimeError, match=r"parameter 1's \.grad is torch.bfloat16 \(2,\)"):
         opt.step()
+    assert same_state(state_of(opt), before)
 
 
 # -- the record a step acts on ----------------------------------------------------------------
@@ -187,8 +193,9 @@ def test_a_record_no_reduction_gives_is_never_applied(fault, reason):
     _, grads = scaled_grads(SHAPES, torch.float16, float(opt.loss_scale), gen, 1e-2)
     grads[1].view(-1)[3] = math.inf
     for p, g in zip(params, grads):
-        p.grad.copy_(g)
+        p.grad = g.clone()
     before = state_of(opt)
+    opt._prepare()  # what step() pushes first: the gradients' addresses
     opt._opt.step_local()
     words = opt._totals  # int64 view of the record: sum words, then max words
     n = halfstep.TOTALS_SUM_WORDS

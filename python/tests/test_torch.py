@@ -14,7 +14,7 @@ from halfstep.torch import FusedAdamW  # noqa: E402
 from helpers import U, first_nonfinite, fresh_params, gradscaler_rule, scaled_grads, unscaled_clipped  # noqa: E402
 
 SHAPES = [(7, 5), (33,), (4, 4, 3), (1,)]
-DTYPES = [torch.float16, torch.bfloat16]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 def masters(opt):
@@ -22,8 +22,9 @@ def masters(opt):
 
 
 def set_grads(params, grads):
+    """New gradient tensors, as every backward pass after zero_grad(set_to_none=True) makes them."""
     for p, g in zip(params, grads):
-        p.grad.copy_(g)
+        p.grad = g.clone()
 
 
 # Where the 100-step trajectory puts an inf or NaN: (step, tensor, element, value) at the first,
@@ -58,7 +59,7 @@ def test_100_steps_match_torch_adamw_in_float64(dtype, max_norm):
     gen = torch.Generator().manual_seed(2)
     skips = 0
     for step in range(100):
-        scale = float(opt.loss_scale)
+        scale = float(opt.loss_scale)  # (fp32 gradients here come from a scaled loss too)
         magnitude = 10.0 ** (-3 + 3 * torch.rand((), generator=gen).item())
         _, grads = scaled_grads(SHAPES, dtype, scale, gen, magnitude)
         for at, t, i, value in INJECT:
@@ -69,7 +70,7 @@ def test_100_steps_match_torch_adamw_in_float64(dtype, max_norm):
         opt.step()
         sched.step()
         r = opt.last_report()
-        bad = first_nonfinite(grads)  # an injection, or g·S past fp16's range
+        bad = first_nonfinite(grads)  # an injection, or g·S past the format's range
         if bad >= 0:
             skips += 1
             assert r["outcome"] == "skipped_overflow" and r["reason"] == "nonfinite_gradient", (step, r)
@@ -128,19 +129,18 @@ def test_param_groups_keep_their_own_rates_and_decay():
     assert torch.allclose(after[0], before[0] * (1 - 0.1 * 0.5) - 0.1, atol=1e-6)
     assert torch.allclose(after[1], before[1] - 0.01, atol=1e-6)
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
-    with pytest.raises(ValueError, match="fixed at construction"):
-        opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]))
 
 
 def test_lr_changes_reach_the_step_and_a_device_schedule_can_follow_applied_steps():
     # At S = 1 with a constant g of 64, Adam moves every weight by exactly lr·bc-corrected
     # m̂/(√v̂ + ε) = lr·(1 − 1.6e-10) per applied step: the step's rate can be read off the masters.
     params = fresh_params([(8,)], torch.float16, seed=5)
-    opt = FusedAdamW(params, lr=0.0, scaler=dict(init_scale=1.0))
+    opt = FusedAdamW(params, lr=0.0, weight_decay=0.0, scaler=dict(init_scale=1.0))
     grads = [torch.full_like(params[0], 64.0)]
 
     def moved(nan=False):
         before = masters(opt)[0].clone()
+        assert float(opt.loss_scale) == 1.0  # (fp16: the step wants the scale read)
         g = [x.clone() for x in grads]
         if nan:
             g[0][3] = math.nan
@@ -164,49 +164,67 @@ def test_lr_changes_reach_the_step_and_a_device_schedule_can_follow_applied_step
     assert opt.param_groups[0]["lr"] == 0.25, "a device-side rate does not rewrite param_groups"
 
 
-def test_zero_grad_both_ways_and_autograd_accumulates_into_the_buffers():
+def test_zero_grad_as_torch_optim_and_gradients_wherever_pytorch_puts_them():
     torch.manual_seed(6)
     model = torch.nn.Linear(4, 3).to(torch.bfloat16)
     opt = FusedAdamW(model.parameters(), lr=1e-3)
-    buffers = [p.grad for p in model.parameters()]
     x = torch.randn(5, 4).to(torch.bfloat16)
     model(x).float().sum().backward()
-    once = [b.clone() for b in buffers]
-    model(x).float().sum().backward()
-    assert all(p.grad is b for p, b in zip(model.parameters(), buffers))
-    assert all(torch.equal(b, (o.float() * 2).to(torch.bfloat16)) for b, o in zip(buffers, once))
-    for set_to_none in (True, False):
-        opt.zero_grad(set_to_none=set_to_none)
-        assert all(p.grad is b and not bool(b.any()) for p, b in zip(model.parameters(), buffers))
-    # The module's own zero_grad(set_to_none=True) detaches the buffers: step() says so, and the
-    # optimizer's zero_grad puts them back.
-    model.zero_grad(set_to_none=True)
-    with pytest.raises(RuntimeError, match=r"\.grad None"):
-        opt.step()
-    opt.zero_grad()
-    model(x).float().sum().backward()
+    once = [p.grad.clone() for p in model.parameters()]
+    model(x).float().sum().backward()  # autograd accumulates into the .grad it made
+    assert all(torch.equal(p.grad, (o.float() * 2).to(torch.bfloat16)) for p, o in zip(model.parameters(), once))
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not bool(p.grad.any()) for p in model.parameters())
+    opt.zero_grad()  # set_to_none=True, as torch.optim since 2.0
+    assert all(p.grad is None for p in model.parameters())
+    # A .grad that is a new tensor every step (the module's zero_grad, as HF Trainer calls it): the
+    # step reads each; no gradient at all is a step that moves nothing.
+    before = [p.detach().clone() for p in model.parameters()]
     opt.step()
-    assert opt.last_report()["outcome"] == "applied"
+    assert opt.last_report()["numel"] == 0 and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        model(x).float().sum().backward()
+        opt.step()
+        assert opt.last_report()["outcome"] == "applied" and opt.last_report()["numel"] == 15
+    # A parameter without a gradient is left alone, as torch.optim skips it.
+    model.zero_grad(set_to_none=True)
+    model(x).float().sum().backward()
+    model.bias.grad = None
+    bias = model.bias.detach().clone()
+    opt.step()
+    assert torch.equal(model.bias, bias) and opt.last_report()["numel"] == 12
 
 
-def test_replaced_grad_is_refused_never_read():
-    params = fresh_params([(4,), (4,)], torch.float16, seed=7)
+def test_a_gradient_of_the_wrong_dtype_shape_or_layout_is_refused_by_name():
+    params = fresh_params([(4,), (4, 2)], torch.float16, seed=7)
     opt = FusedAdamW(params, lr=1e-3)
-    params[1].grad = torch.ones_like(params[1])
-    with pytest.raises(RuntimeError, match="parameter 1's .grad was replaced"):
+    for bad, match in ((torch.ones(4, dtype=torch.float32), r"parameter 0's \.grad is torch.float32"),
+                       (torch.ones(2, dtype=torch.float16), r"parameter 0's \.grad is torch.float16 \(2,\)")):
+        params[0].grad = torch.ones(4, dtype=torch.float16)
+        params[0].grad.data = bad  # (assigning .grad directly is checked by PyTorch itself)
+        params[1].grad = torch.ones(4, 2, dtype=torch.float16)
+        with pytest.raises(RuntimeError, match=match):
+            float(opt.loss_scale)
+            opt.step()
+    params[0].grad = torch.ones(4, dtype=torch.float16)
+    params[1].grad = torch.ones(2, 4, dtype=torch.float16).t()
+    with pytest.raises(RuntimeError, match="parameter 1's .grad is not contiguous"):
         opt.step()
     assert opt.scaler_state()["attempts"] == 0, "nothing ran"
-    opt.zero_grad()
+    params[1].grad = params[1].grad.contiguous()
     opt.step()
     assert opt.scaler_state()["attempts"] == 1
 
 
 def test_refuses_what_it_cannot_step():
     half = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.float16))  # noqa: E731
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
-        FusedAdamW([torch.nn.Parameter(torch.zeros(3))])
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(TypeError, match="float32 parameters.*or float16 or bfloat16"):
+        FusedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    with pytest.raises(TypeError, match="one dtype.*model.float\\(\\) with torch.autocast"):
         FusedAdamW([half(3), torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))])
+    with pytest.raises(TypeError, match="one dtype"):
+        FusedAdamW([torch.nn.Parameter(torch.zeros(3)), half(3)])
     with pytest.raises(ValueError, match="not contiguous"):
         FusedAdamW([torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float16).t())])
     base = torch.zeros(10, dtype=torch.float16)
@@ -214,17 +232,26 @@ def test_refuses_what_it_cannot_step():
         FusedAdamW([torch.nn.Parameter(base[:6]), torch.nn.Parameter(base[4:])])
     with pytest.raises(ValueError, match="unknown scaler option"):
         FusedAdamW([half(3)], scaler=dict(init_scal=1.0))
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] must be finite and >= 0"):
-        FusedAdamW([half(3)], lr=-1.0)
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
         FusedAdamW([half(3)], process_group=object())
+    # Bad hyperparameters raise ValueError, as in every torch.optim optimizer.
+    for kwargs, match in ((dict(lr=-1.0), "Invalid learning rate"), (dict(betas=(1.0, 0.999)), "beta parameter at index 0"),
+                          (dict(betas=(0.9, -0.1)), "beta parameter at index 1"), (dict(eps=-1e-8), "epsilon"),
+                          (dict(eps=0.0), "torch.optim.AdamW also takes 0"), (dict(weight_decay=-0.1), "weight_decay"),
+                          (dict(lr=math.nan), "learning rate"), (dict(lr="0.5"), "Invalid lr"),
+                          (dict(lr=1e-50), "rounds to 0 in fp32"), (dict(lr=2.0, weight_decay=0.5), "lr \\* weight_decay"),
+                          (dict(max_grad_norm=-1.0), "max_grad_norm")):
+        with pytest.raises(ValueError, match=match):
+            FusedAdamW([half(3)], **kwargs)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        FusedAdamW([dict(params=[half(3)], lr=-2.0)])
+    assert FusedAdamW([half(3)]).defaults["weight_decay"] == 1e-2, "torch.optim.AdamW's default"
     opt = FusedAdamW([half(3)], lr=1e-3)
-    opt.param_groups[0]["betas"] = (0.8, 0.999)
-    with pytest.raises(ValueError, match="only lr may change"):
-        opt.step()
-    opt.param_groups[0]["betas"] = (0.9, 0.999)
     opt.param_groups[0]["lr"] = torch.tensor(1e-3)
     with pytest.raises(TypeError, match="lr_tensor"):
+        opt.step()
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate"):
         opt.step()
 
 
@@ -290,19 +317,21 @@ def test_load_state_dict_refuses_a_mismatch_and_changes_nothing():
 
     refused({"state": {}}, ValueError, "not a halfstep")
     other = FusedAdamW(fresh_params([(4,), (6,)], torch.bfloat16, seed=12), lr=1e-3).state_dict()
-    refused(other, halfstep.HalfstepError, "dtype")
+    refused(other, ValueError, "written for bfloat16 parameters; this optimizer's are float16")
+    library_dtype = dict(good, halfstep=dict(good["halfstep"], optimizer_state=other["halfstep"]["optimizer_state"]))
+    refused(library_dtype, halfstep.HalfstepError, "grad_dtype is bf16 in the checkpoint and f16 here")
     shorter = FusedAdamW(fresh_params([(4,), (5,)], torch.float16, seed=12), lr=1e-3).state_dict()
     refused(shorter, ValueError, r"written for parameters of shapes \[\(4,\), \(5,\)\]")
     wrong_shape = dict(good, state={0: good["state"][0], 1: dict(good["state"][1], master=torch.zeros(5))})
     refused(wrong_shape, ValueError, r"state\[1\]\['master'\] must be a float32 tensor of shape \(6,\)")
     two_groups = FusedAdamW([dict(params=[p]) for p in fresh_params([(4,), (6,)], torch.float16, seed=1)]).state_dict()
     refused(two_groups, ValueError, "2 parameter groups, this optimizer has 1")
-    betas = dict(good, param_groups=[dict(good["param_groups"][0], betas=(0.5, 0.9))])
-    refused(betas, ValueError, "betas, eps or weight_decay")
+    betas = dict(good, param_groups=[dict(good["param_groups"][0], betas=(1.5, 0.9))])
+    refused(betas, ValueError, "Invalid beta parameter at index 0")
     nan = dict(good, state={0: good["state"][0], 1: dict(good["state"][1], exp_avg=torch.full((6,), math.nan))})
     refused(nan, ValueError, r"state\[1\]\['exp_avg'\] holds inf or NaN")
     corrupt = dict(good, halfstep=dict(good["halfstep"], optimizer_state=good["halfstep"]["optimizer_state"][:-3].clone()))
-    refused(corrupt, halfstep.HalfstepError, "")
+    refused(corrupt, halfstep.HalfstepError, "halfstep state checkpoint")
     opt.load_state_dict(good)
 
 
@@ -331,8 +360,9 @@ def test_storage_moved_after_construction_is_refused():
     with pytest.raises(RuntimeError, match="parameter 1 now has other storage"):
         opt.step()
     params[1].data = old
+    params[0].grad = torch.zeros_like(params[0])
     params[0].grad.resize_(400)
-    with pytest.raises(RuntimeError, match=r"gradient buffer \(.grad\) of parameter 0 now has other storage"):
+    with pytest.raises(RuntimeError, match=r"parameter 0's \.grad is torch.bfloat16 \(400,\)"):
         opt.step()
     assert opt.scaler_state()["attempts"] == 0, "nothing ran"
 
@@ -343,10 +373,10 @@ def test_weights_written_into_the_parameters_become_the_masters():
     # edits later.
     torch.manual_seed(16)
     model = torch.nn.Linear(3, 2).to(torch.bfloat16)
-    opt = FusedAdamW(model.parameters(), lr=0.5)
+    opt = FusedAdamW(model.parameters(), lr=0.5, weight_decay=0.0)
     model.load_state_dict({"weight": torch.full((2, 3), 4.0), "bias": torch.full((2,), -2.0)})
     for p in model.parameters():
-        p.grad.fill_(opt.loss_scale.item())  # g = +1 everywhere: Adam's first step is -lr
+        p.grad = torch.full_like(p, opt.loss_scale.item())  # g = +1 everywhere: Adam's first step is -lr
     opt.step()
     assert torch.equal(model.weight, torch.full((2, 3), 3.5, dtype=torch.bfloat16))
     assert torch.equal(model.bias, torch.full((2,), -2.5, dtype=torch.bfloat16))
@@ -374,7 +404,7 @@ def test_cannot_be_copied_and_refuses_odd_input_by_name():
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match="parameters 0 and 1 are the same tensor|duplicate parameters"):
             FusedAdamW([z, z])
-    with pytest.raises(ValueError, match="betas must be a pair"):
+    with pytest.raises(ValueError, match="Invalid betas"):
         FusedAdamW([half(3)], betas=(0.9,))
     with pytest.raises(ValueError, match="growth_interval = 4294967301 does not fit"):
         FusedAdamW([half(3)], scaler=dict(growth_interval=2 ** 32 + 5))
@@ -386,9 +416,9 @@ def test_load_state_dict_refuses_rates_and_masters_the_model_cannot_take():
     params = fresh_params([(4,)], torch.float16, seed=17)
     opt = FusedAdamW(params, lr=1e-3)
     good = opt.state_dict()
-    for lr in (None, math.nan, -1.0, torch.tensor(1e-3)):
+    for lr, error in ((None, ValueError), (math.nan, ValueError), (-1.0, ValueError), (torch.tensor(1e-3), TypeError)):
         sd = dict(good, param_groups=[dict(good["param_groups"][0], lr=lr)])
-        with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] must be a finite number"):
+        with pytest.raises(error, match=r"Invalid lr|Invalid learning rate|lr is a tensor"):
             opt.load_state_dict(sd)
     sd = dict(good, state={0: dict(good["state"][0], master=torch.full((4,), 1e6))})
     with pytest.raises(ValueError, match="past float16's range"):
@@ -396,6 +426,7 @@ def test_load_state_dict_refuses_rates_and_masters_the_model_cannot_take():
     sd = dict(good, param_groups=[{k: v for k, v in good["param_groups"][0].items() if k != "betas"}])
     with pytest.raises(ValueError, match="must be a dict with params, lr, betas"):
         opt.load_state_dict(sd)
+    params[0].grad = (torch.full(params[0].shape, 0.01) * opt.loss_scale.item()).to(torch.float16)
     opt.step()
     assert opt.last_report()["outcome"] == "applied"
 
@@ -454,6 +485,7 @@ def test_a_rate_written_on_the_device_survives_a_checkpoint():
     saved = opt.state_dict()
     opt2 = FusedAdamW(fresh_params([(4,)], torch.float16, seed=27), lr=1e-3)
     opt2.load_state_dict(saved)
+    float(opt2.loss_scale)
     opt2.step()
     assert float(opt2.lr_tensor(0)) == pytest.approx(0.1), "the next step did not push the stale group rate"
     with pytest.raises(IndexError, match=r"group_index must be in \[0, 1\)"):
@@ -464,10 +496,10 @@ def test_step_refuses_before_it_changes_anything():
     params = fresh_params([(4,)], torch.bfloat16, seed=28)
     opt = FusedAdamW([dict(params=params, lr=0.1)])
     opt.param_groups[0]["lr"] = 0.5
-    opt.param_groups[0]["eps"] = 1e-3
+    opt.param_groups[0]["eps"] = -1e-3
     with torch.no_grad():
         params[0].fill_(3.0)
-    with pytest.raises(ValueError, match="only lr may change"):
+    with pytest.raises(ValueError, match="Invalid epsilon value"):
         opt.step()
     # (the masters themselves: state_dict() would take the written weights, as the next step will)
     assert float(opt.lr_tensor(0)) == pytest.approx(0.1) and not bool((opt._masters[0] == 3.0).any())
