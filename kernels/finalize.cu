@@ -104,6 +104,7 @@ __device__ void decide_step(const FinalizeArgs& a) {
 }
 
 __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const FinalizeArgs a, const int stages) {
+  if ((stages & kRefuseStage) && threadIdx.x == 0) *a.totals = refused_record();  // pass 1 did not run
   if (stages & kReduceStage) reduce_partials(a);
   if (stages == (kReduceStage | kDecideStage)) __syncthreads();  // thread 0 wrote the record
   if (stages & kDecideStage) decide_step(a);

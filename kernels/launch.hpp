@@ -31,7 +31,7 @@ void launch_check_and_norm(DType grad_dtype, const Pass1Args& args, std::int64_t
 
 /// The stages of the finalize kernel: reduce pass 1's partials into this rank's StepTotals
 /// record; decide from the (reduced) record. A single-rank step runs both in one launch.
-enum FinalizeStage : int { kReduceStage = 1, kDecideStage = 2 };
+enum FinalizeStage : int { kReduceStage = 1, kDecideStage = 2, kRefuseStage = 4 };
 
 /// Arguments of the finalize kernel.
 struct FinalizeArgs {

@@ -77,11 +77,29 @@ HALFSTEP_HD inline std::int64_t group_step(const GroupParams& g, std::int64_t t)
   return t > g.step_offset ? t - g.step_offset : 1;
 }
 
+/// The mark of a rank that refused its step (max[2] and max[3] both all ones): no fingerprint
+/// takes either value, so after MAX, max[2] holds it exactly when some rank refused.
+inline constexpr std::uint64_t kRefusedMark = ~std::uint64_t{0};
+
 /// Stores a rank's fingerprint in its record: MAX keeps the largest fingerprint in max[2] and the
-/// complement of the smallest in max[3].
+/// complement of the smallest in max[3]. Fingerprints are kept inside [1, 2^64 - 2], clear of
+/// kRefusedMark in both words.
 HALFSTEP_HD inline void set_fingerprint(StepTotals& r, std::uint64_t fingerprint) {
+  if (fingerprint == 0) fingerprint = 1;
+  if (fingerprint == kRefusedMark) fingerprint = kRefusedMark - 1;
   r.max[2] = fingerprint;
   r.max[3] = ~fingerprint;
+}
+
+/// The record of a rank that refused its own step: no elements, and kRefusedMark in max[2] and
+/// max[3]. Reduced with the others' records, it makes every rank skip with
+/// SkipReason::rank_refused.
+HALFSTEP_HD inline StepTotals refused_record() {
+  StepTotals r;
+  for (int i = 0; i < StepTotals::kSumWords; ++i) r.sum[i] = 0;
+  r.max[0] = r.max[1] = 0;
+  r.max[2] = r.max[3] = kRefusedMark;
+  return r;
 }
 
 /// Checks `r` against every rule; `t` is r decoded by decode_totals.
@@ -97,6 +115,8 @@ HALFSTEP_HD inline TotalsFault totals_fault(const StepTotals& r, const Totals& t
   if (r.max[1] != 0 && ((r.max[1] >> 32) < 0x80000000u || (r.max[1] & 0xFFFFFFFFu) < 0x80000000u)) {
     return TotalsFault::malformed_key;
   }
+  // A refusing rank marks both words; MAX with any fingerprint keeps both marks.
+  if (r.max[2] == kRefusedMark && r.max[3] != kRefusedMark) return TotalsFault::half_refusal_mark;
   // Each of the numel squares is at most max|g|² (exact in double); the bound is computed with
   // two roundings (numel, the product) and Σg² was rounded once, each at most 2^-52 relative:
   // a margin of 2^-40 covers them and no real excess hides in it.
@@ -126,7 +146,15 @@ HALFSTEP_HD inline Totals decode_totals(const StepTotals& r, DType format) {
   }
   t.fault = totals_fault(r, t, format);
   t.hyperparameters_agree = r.max[2] == ~r.max[3];
+  t.rank_refused = r.max[2] == kRefusedMark;
   return t;
+}
+
+/// Why a record that is not acted on is not: the first rule it breaks, in the order the step checks.
+HALFSTEP_HD inline SkipReason inconsistent_reason(const Totals& t) {
+  if (t.fault != TotalsFault::none) return SkipReason::inconsistent_totals;
+  if (t.rank_refused) return SkipReason::rank_refused;
+  return SkipReason::hyperparameters_differ;
 }
 
 /// The record's key for the first inf/NaN at (rank, tensor): larger for lower ranks, then lower
@@ -226,12 +254,11 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
   decision.coef = 0.0f;
   decision.pre = decision.post_a = decision.post_b = 1.0f;
 
-  if (totals.fault != TotalsFault::none || !totals.hyperparameters_agree) {
-    // A record no reduction of this step's records gives, or ranks that would not take the same
-    // step: nothing is written and nothing advances but the attempt.
+  if (totals.fault != TotalsFault::none || totals.rank_refused || !totals.hyperparameters_agree) {
+    // A record no reduction of this step's records gives, a rank that refused its step, or ranks
+    // that would not take the same step: nothing is written and nothing advances but the attempt.
     report.outcome = Outcome::skipped_inconsistent;
-    report.reason = totals.fault != TotalsFault::none ? SkipReason::inconsistent_totals
-                                                      : SkipReason::hyperparameters_differ;
+    report.reason = inconsistent_reason(totals);
     report.grad_norm = NAN;
     report.clip_coef = NAN;
   } else if (totals.nonfinite > 0) {  // overflow: nothing may be written; the scaler backs off

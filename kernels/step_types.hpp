@@ -119,6 +119,7 @@ enum class TotalsFault : std::uint8_t {
   key_count_mismatch,    // an inf/NaN count without a first-inf/NaN key, or a key without one
   malformed_key,         // max[1]'s halves are not 0xFFFFFFFF - an index below 2^31
   sum_past_bound,        // Σg² exceeds numel · max|g|²
+  half_refusal_mark,     // max[2] holds a refusing rank's mark and max[3] does not
 };
 
 /// The sums over all chunks (and ranks) that the decision needs: a decoded StepTotals (what

@@ -205,6 +205,20 @@ halfstep_status halfstep_step_finish(halfstep_optimizer* opt, void* stream) {
   });
 }
 
+halfstep_status halfstep_step_local_refused(halfstep_optimizer* opt, void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.step_local_refused(static_cast<halfstep::Stream>(stream));
+  });
+}
+
+halfstep_status halfstep_step_refused(halfstep_optimizer* opt, void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.step_refused(static_cast<halfstep::Stream>(stream));
+  });
+}
+
 uint64_t* halfstep_device_totals(halfstep_optimizer* opt) {
   uint64_t* out = nullptr;
   (void)guarded([&] {
@@ -478,7 +492,7 @@ const char* halfstep_outcome_name(int32_t outcome) {
 }
 
 const char* halfstep_reason_name(int32_t reason) {
-  if (reason < 0 || reason > static_cast<int32_t>(halfstep::SkipReason::hyperparameters_differ)) return "unknown";
+  if (reason < 0 || reason > static_cast<int32_t>(halfstep::SkipReason::rank_refused)) return "unknown";
   return halfstep::skip_reason_name(static_cast<halfstep::SkipReason>(reason));
 }
 

@@ -100,6 +100,24 @@ class CudaImpl final : public FusedAdamW::Impl {
     local_pending_ = true;
   }
 
+  void step_local_refused(Stream stream) override {
+    begin_step(stream, "step_local_refused", false);
+    launch_finalize(finalize_, kRefuseStage, stream);
+    local_pending_ = true;
+  }
+
+  void step_refused(Stream stream) override {
+    if (dist_.comms.empty()) {
+      throw Error(ErrorKind::usage, "step_refused: this FusedAdamW has no communicators; call "
+                                    "step_local_refused, reduce the record and call step_finish");
+    }
+    const bool capturing = begin_step(stream, "step_refused", true);
+    launch_finalize(finalize_, kRefuseStage, stream);
+    allreduce_totals(ws_.totals, dist_.comms, stream);
+    launch_finalize(finalize_, kDecideStage, stream);
+    end_step(stream, capturing);
+  }
+
   void step_finish(Stream stream) override {
     if (!local_pending_) {
       throw Error(ErrorKind::usage, "step_finish: no step_local since the last step finished");

@@ -39,6 +39,8 @@ TotalsSummary summarize(const StepTotals& totals, DType grad_dtype) {
       detail::fail("totals: max[1] (the first inf/NaN) and sum[", n, "] (the inf/NaN count) must be zero together");
     case detail::TotalsFault::malformed_key:
       detail::fail("totals.max[1] = ", totals.max[1], " is not a (rank, tensor) key");
+    case detail::TotalsFault::half_refusal_mark:
+      detail::fail("totals.max[2] holds a refusing rank's mark (2^64 - 1) and max[3] = ", totals.max[3], " does not");
     case detail::TotalsFault::sum_past_bound:
       detail::fail("totals: the sum of squares (sum[0..", n - 1, "]) exceeds the element count (sum[", n + 3,
                    "]) times the largest square (max[0])");

@@ -51,6 +51,8 @@ FusedAdamW::Impl& FusedAdamW::impl() const {
 void FusedAdamW::step(Stream stream) { impl().step(stream); }
 void FusedAdamW::step_local(Stream stream) { impl().step_local(stream); }
 void FusedAdamW::step_finish(Stream stream) { impl().step_finish(stream); }
+void FusedAdamW::step_local_refused(Stream stream) { impl().step_local_refused(stream); }
+void FusedAdamW::step_refused(Stream stream) { impl().step_refused(stream); }
 StepTotals* FusedAdamW::device_totals() { return impl().device_totals(); }
 const Distributed& FusedAdamW::distributed() const {
   impl();

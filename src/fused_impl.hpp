@@ -35,6 +35,8 @@ struct FusedAdamW::Impl {
   virtual void step(Stream stream) = 0;
   virtual void step_local(Stream stream) = 0;
   virtual void step_finish(Stream stream) = 0;
+  virtual void step_local_refused(Stream stream) = 0;
+  virtual void step_refused(Stream stream) = 0;
   virtual StepTotals* device_totals() = 0;
   virtual StepReport last_report() = 0;
   virtual std::vector<std::int64_t> nonfinite_counts() = 0;

@@ -361,12 +361,10 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
   // The record's own rules, as the kernels check them (a record is a format, not step math):
   // one that no reduction gives, or ranks with different hyperparameters, is never applied.
   const detail::Totals checked = detail::decode_totals(totals, config.grad_dtype);
-  if (checked.fault != detail::TotalsFault::none || !checked.hyperparameters_agree) {
+  if (checked.fault != detail::TotalsFault::none || checked.rank_refused || !checked.hyperparameters_agree) {
     r.grad_norm = std::numeric_limits<double>::quiet_NaN();
     r.clip_coef = std::numeric_limits<float>::quiet_NaN();
-    return finish(Outcome::skipped_inconsistent, checked.fault != detail::TotalsFault::none
-                                                     ? SkipReason::inconsistent_totals
-                                                     : SkipReason::hyperparameters_differ);
+    return finish(Outcome::skipped_inconsistent, detail::inconsistent_reason(checked));
   }
   if (r.nonfinite_count > 0) {  // overflow: nothing is written, the scaler backs off
     state.scaler = next_state(state.scaler, config.scaler, true);

@@ -8,6 +8,7 @@
 #include "fused_impl.hpp"
 #include "halfstep/checkpoint.hpp"
 #include "reference_impl.hpp"
+#include "step_math.hpp"
 
 namespace halfstep::detail {
 namespace {
@@ -29,15 +30,19 @@ class ReferenceImpl final : public FusedAdamW::Impl {
     step_finish(stream);
   }
   void step_local(Stream) override {
-    if (local_pending_) {
-      throw Error(ErrorKind::usage, "step_local: step_local has run; step_finish must end that step first");
-    }
-    if (state_.attempts >= kCounterLimit) {
-      throw Error(ErrorKind::usage, concat("step: this optimizer has attempted ", kCounterLimit,
-                                           " steps (kCounterLimit); its counters are full"));
-    }
+    begin_local("step_local");
     totals_ = reference_measure(tensors_, config_, rank_, &nonfinite_);
     local_pending_ = true;
+  }
+  void step_local_refused(Stream) override {
+    begin_local("step_local_refused");
+    totals_ = refused_record();
+    nonfinite_.assign(tensors_.size(), 0);
+    local_pending_ = true;
+  }
+  void step_refused(Stream) override {
+    throw Error(ErrorKind::usage, "step_refused: Backend::reference has no communicators; call "
+                                  "step_local_refused, reduce the record and call step_finish");
   }
   void step_finish(Stream) override {
     if (!local_pending_) {
@@ -49,6 +54,15 @@ class ReferenceImpl final : public FusedAdamW::Impl {
     has_report_ = true;
   }
   StepTotals* device_totals() override { return &totals_; }
+  void begin_local(const char* what) const {
+    if (local_pending_) {
+      throw Error(ErrorKind::usage, concat(what, ": step_local has run; step_finish must end that step first"));
+    }
+    if (state_.attempts >= kCounterLimit) {
+      throw Error(ErrorKind::usage, concat("step: this optimizer has attempted ", kCounterLimit,
+                                           " steps (kCounterLimit); its counters are full"));
+    }
+  }
   StepReport last_report() override {
     require_step("last_report");
     return report_;

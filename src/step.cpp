@@ -192,6 +192,7 @@ const char* skip_reason_name(SkipReason reason) {
     case SkipReason::invalid_learning_rate: return "invalid_learning_rate";
     case SkipReason::inconsistent_totals: return "inconsistent_totals";
     case SkipReason::hyperparameters_differ: return "hyperparameters_differ";
+    case SkipReason::rank_refused: return "rank_refused";
   }
   return "unknown";
 }

@@ -36,13 +36,17 @@ namespace halfstep {
 ///   max[2]      a 64-bit fingerprint of the hyperparameters the rank steps with (every group's
 ///               lr, betas, eps, weight decay and its flags, and max_grad_norm), and
 ///   max[3]      its complement: after MAX, max[2] == ~max[3] exactly when every rank's
-///               fingerprint is the same (max[2] is the largest, ~max[3] the smallest)
+///               fingerprint is the same (max[2] is the largest, ~max[3] the smallest).
+///               Fingerprints lie in [1, 2^64 - 2]; a rank that refused its step
+///               (step_local_refused, step_refused) writes 2^64 - 1 into both words and no
+///               elements: after MAX, max[2] = 2^64 - 1 exactly when some rank refused
 ///
 /// A record that no reduction of halfstep records could give (a count past 2^63, more zero and
 /// subnormal elements than elements, an inf/NaN count without a key or a key without one, a
 /// maximum that is not a finite pattern, Σg² above numel · max²) is never applied: the step is
-/// skipped with SkipReason::inconsistent_totals. Ranks whose fingerprints differ skip with
-/// SkipReason::hyperparameters_differ, every one of them.
+/// skipped with SkipReason::inconsistent_totals (so is a refusal mark in max[2] without one in
+/// max[3]). A rank's refusal makes every rank skip with SkipReason::rank_refused; ranks whose
+/// fingerprints differ skip with SkipReason::hyperparameters_differ, every one of them.
 struct StepTotals {
   static constexpr int kSumLimbs = 20;
   static constexpr int kSumWords = 24;
@@ -63,6 +67,7 @@ struct TotalsSummary {
   std::int32_t first_nonfinite_rank = -1;    ///< -1 if none
   std::int32_t first_nonfinite_tensor = -1;  ///< index in that rank's tensor list; -1 if none
   bool hyperparameters_agree = true;         ///< every rank reduced stepped with the same hyperparameters
+  bool rank_refused = false;                 ///< a rank refused its step (step_local_refused)
 };
 
 /// Decodes a record of gradients in `grad_dtype` (f16, bf16 or f32). Throws halfstep::Error naming the

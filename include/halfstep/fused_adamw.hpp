@@ -88,6 +88,20 @@ class HALFSTEP_API FusedAdamW {
   /// as step() does after its reduction. Throws unless step_local ran since the last step.
   void step_finish(Stream stream = nullptr);
 
+  /// What a rank of a multi-rank step does instead of step_local when its own inputs failed its
+  /// checks (a gradient it will not read, an error of the caller's): it takes part without them,
+  /// so that the other ranks do not wait for it in the all-reduce. Its record holds no elements
+  /// and the refusal mark (StepTotals, max[2] and max[3]); after the reduction and step_finish,
+  /// every rank's step is skipped_inconsistent with SkipReason::rank_refused: nothing is written,
+  /// the scaler and the counters stay (the attempt counts), and the ranks stay in step. Reads no
+  /// gradient; never blocks.
+  void step_local_refused(Stream stream = nullptr);
+
+  /// step_local_refused, the all-reduce over this optimizer's communicators and step_finish: a
+  /// refusing rank's step(). Throws (usage) for an optimizer without communicators: reduce with
+  /// step_local_refused and step_finish there.
+  void step_refused(Stream stream = nullptr);
+
   /// The step's StepTotals record: device memory for Backend::cuda, host memory for
   /// Backend::reference. Written by step_local (and step), read by step_finish.
   StepTotals* device_totals();

@@ -50,7 +50,8 @@ enum {
   HALFSTEP_REASON_STEP_SIZE_EXCEEDS_FP32 = 5,
   HALFSTEP_REASON_INVALID_LEARNING_RATE = 6,
   HALFSTEP_REASON_INCONSISTENT_TOTALS = 7,
-  HALFSTEP_REASON_HYPERPARAMETERS_DIFFER = 8
+  HALFSTEP_REASON_HYPERPARAMETERS_DIFFER = 8,
+  HALFSTEP_REASON_RANK_REFUSED = 9
 };
 
 /** One parameter tensor (halfstep::ParamTensor). */
@@ -164,6 +165,11 @@ HALFSTEP_C_API halfstep_status halfstep_step(halfstep_optimizer* opt, void* stre
  *  and this rank's record (halfstep_device_totals), then the decision and the update. */
 HALFSTEP_C_API halfstep_status halfstep_step_local(halfstep_optimizer* opt, void* stream);
 HALFSTEP_C_API halfstep_status halfstep_step_finish(halfstep_optimizer* opt, void* stream);
+/** A rank whose own inputs failed its checks takes part in the step without them (FusedAdamW::
+ *  step_local_refused / step_refused): every rank skips with HALFSTEP_REASON_RANK_REFUSED and no
+ *  rank waits. The split form's record is reduced and finished as halfstep_step_local's. */
+HALFSTEP_C_API halfstep_status halfstep_step_local_refused(halfstep_optimizer* opt, void* stream);
+HALFSTEP_C_API halfstep_status halfstep_step_refused(halfstep_optimizer* opt, void* stream);
 /** The totals record: HALFSTEP_TOTALS_SUM_WORDS + HALFSTEP_TOTALS_MAX_WORDS words of device
  *  memory (host memory for the reference backend). NULL on error. */
 HALFSTEP_C_API uint64_t* halfstep_device_totals(halfstep_optimizer* opt);

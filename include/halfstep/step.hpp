@@ -107,6 +107,9 @@ enum class SkipReason : std::uint8_t {
                                ///< records keeps (a faulty or mismatched all-reduce)
   hyperparameters_differ,      ///< the ranks stepped with different hyperparameters (a learning
                                ///< rate changed on one rank only): every rank skips
+  rank_refused,                ///< a rank refused its own step (step_local_refused, step_refused:
+                               ///< its inputs failed its checks) and took part without gradients,
+                               ///< so that no rank waits for it: every rank skips
 };
 
 /// The reason's name: "none", "nonfinite_gradient", "spike", "gradient_exceeds_fp32", ...

@@ -201,6 +201,11 @@ class Optimizer:
     def step_finish(self, stream=0):
         check(lib.halfstep_step_finish(self.handle, stream or None))
 
+    def step_local_refused(self, stream=0):
+        """step_local for a rank whose own inputs failed its checks: a record without elements that
+        makes every rank's step (after the reduction and step_finish) skip as rank_refused."""
+        check(lib.halfstep_step_local_refused(self.handle, stream or None))
+
     def totals_address(self):
         """Address of the totals record: TOTALS_SUM_WORDS words reduced with SUM, then
         TOTALS_MAX_WORDS with MAX (uint64)."""

@@ -101,6 +101,7 @@ def _load(path):
         "halfstep_step": (C.c_int, [P, P]),
         "halfstep_step_local": (C.c_int, [P, P]),
         "halfstep_step_finish": (C.c_int, [P, P]),
+        "halfstep_step_local_refused": (C.c_int, [P, P]),
         "halfstep_device_totals": (C.POINTER(C.c_uint64), [P]),
         "halfstep_last_report": (C.c_int, [P, C.POINTER(Report)]),
         "halfstep_nonfinite_counts": (C.c_int, [P, C.POINTER(C.c_int64), C.c_int64]),

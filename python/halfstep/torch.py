@@ -650,11 +650,21 @@ class FusedAdamW(torch.optim.Optimizer):
                 loss = closure()
         ctx = torch.cuda.device(self._device) if self._device.type == "cuda" else _contextlib.nullcontext()
         with self._lock, ctx:
-            stream = self._prepare()
             if self._pg is None:
-                self._opt.step(stream)
+                self._opt.step(self._prepare())
             else:
-                self._opt.step_local(stream)
+                # A rank whose own checks refuse this step still takes part, without its
+                # gradients, so that the others do not wait for it in the all-reduce: every rank
+                # skips the step (reason rank_refused), then this rank raises.
+                refused = None
+                try:
+                    stream = self._prepare()
+                except Exception as e:  # noqa: BLE001 (re-raised below, after the collectives)
+                    refused, stream = e, self._stream()
+                if refused is None:
+                    self._opt.step_local(stream)
+                else:
+                    self._opt.step_local_refused(stream)
                 # The record: SUM over the first words, MAX over the last (as int64: the keys'
                 # sign bit flipped so that signed order is their unsigned order).
                 total, top = self._totals[:TOTALS_SUM_WORDS], self._totals[TOTALS_SUM_WORDS:]
@@ -665,6 +675,9 @@ class FusedAdamW(torch.optim.Optimizer):
                 self._opt.step_finish(stream)
                 if self._shard:
                     self._gather()
+                if refused is not None:
+                    self._step_copy.copy_(self._live_steps)
+                    raise refused
             self._step_copy.copy_(self._live_steps)
             self._scale_taken = False
         return loss

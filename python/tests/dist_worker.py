@@ -6,7 +6,7 @@ MODE train (default): 12 steps from weights that rank 0 broadcasts after the opt
 (as DistributedDataParallel does); mismatch: rank 1 builds another optimizer; badarg: rank 1
 passes an argument its own checks refuse; badload: a state_dict that rank 0 alone refuses;
 mixedsteps: each rank loads a state_dict of another step; lronerank: rank 1 alone changes a
-learning rate before step 5; resume: a state_dict taken right after rank 0's weights were
+learning rate before step 5; refuse: rank 1's step() refuses a gradient of the wrong shape at step 4; resume: a state_dict taken right after rank 0's weights were
 broadcast (before any step) is loaded into a new optimizer on other weights, and both train on."""
 
 import sys
@@ -51,7 +51,7 @@ def make(dtype, process_group=None, shard=True, seed=1, max_grad_norm=0.5):
     return params, opt
 
 
-def train(params, opt, dtype, rank, world, lr_change=None):
+def train(params, opt, dtype, rank, world, lr_change=None, refuse=None, refusals=None):
     gen = torch.Generator().manual_seed(2)
     reports = []
     for step in range(STEPS):
@@ -64,7 +64,14 @@ def train(params, opt, dtype, rank, world, lr_change=None):
                 grads[t].view(-1)[i] = value
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        opt.step()
+        if refuse is not None and step == refuse:
+            params[1].grad.resize_(3)  # not the parameter's shape: this rank's step() refuses it
+            try:
+                opt.step()
+            except RuntimeError as e:
+                refusals.append((step, str(e)))
+        else:
+            opt.step()
         reports.append(opt.last_report())
     return reports
 
@@ -127,8 +134,10 @@ def main():
                 out["refused"] = str(e)
             out["state_after"] = opt.state_dict()["state"]
             out["expected"] = sd["state"] if rank != 0 else None
+        out["refusals"] = []
         out["reports"] = train(params, opt, dtype, rank, world,
-                               lr_change=5 if mode == "lronerank" and rank == 1 else None)
+                               lr_change=5 if mode == "lronerank" and rank == 1 else None,
+                               refuse=4 if mode == "refuse" and rank == 1 else None, refusals=out["refusals"])
         out.update(params=[p.detach() for p in params], scaler=opt.scaler_state(), applied=int(opt.applied_steps))
     torch.save(out, sys.argv[6])
     dist.destroy_process_group()

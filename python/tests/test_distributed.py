@@ -131,6 +131,41 @@ def test_a_learning_rate_changed_on_one_rank_skips_that_step_on_every_rank(shard
         "the replicas stay the same"
 
 
+@pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
+def test_a_rank_that_refuses_its_step_does_not_leave_the_others_waiting(shard, tmp_path):
+    # Rank 1's step() refuses a gradient of the wrong shape at step 4. It takes part in the step
+    # without its gradients, then raises; every rank skips that step (rank_refused), and the run
+    # goes on as one process's run without that step (launch() fails on a hung rank).
+    results = launch(3, shard, "float16", tmp_path, mode="refuse")
+    assert len(results[1]["refusals"]) == 1 and results[1]["refusals"][0][0] == 4
+    assert "halfstep reads gradients of the parameter's dtype, shape and device" in results[1]["refusals"][0][1]
+    assert results[0]["refusals"] == results[2]["refusals"] == []
+    for r in results:
+        assert (r["reports"][4]["outcome"], r["reports"][4]["reason"]) == ("skipped_inconsistent", "rank_refused")
+        assert [without(x, "held_elements") for x in r["reports"]] == \
+            [without(x, "held_elements") for x in results[0]["reports"]]
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
+    params, opt = W.make(torch.float16)
+    gen = torch.Generator().manual_seed(2)
+    single = []
+    for step in range(W.STEPS):
+        _, grads = W.scaled_grads(W.SHAPES, torch.float16, float(opt.loss_scale), gen, 1e-2)
+        for at, _, flat, value in W.injections(3):
+            if at == step:
+                t, i = W.flat_position(flat)
+                grads[t].view(-1)[i] = value
+        if step == 4:
+            continue  # the refused step: nothing of it is applied anywhere
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        single.append(opt.last_report())
+    mine = [x for k, x in enumerate(results[0]["reports"]) if k != 4]
+    assert [without(x, "attempt", "held_elements", "first_nonfinite_rank") for x in mine] == \
+        [without(x, "attempt", "held_elements", "first_nonfinite_rank") for x in single]
+    assert all(torch.equal(a, b.detach()) for a, b in zip(results[0]["params"], params))
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
 def test_a_state_dict_after_the_broadcast_resumes_the_broadcast_weights(world, shard, tmp_path):

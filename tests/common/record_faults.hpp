@@ -1,6 +1,7 @@
 // Records a faulty or mismatched all-reduce could leave between step_local and step_finish, each
-// breaking one rule that every reduction of halfstep records keeps (or, last, the ranks'
-// hyperparameter fingerprints disagreeing), and the reason the step must name when it skips one.
+// breaking one rule that every reduction of halfstep records keeps (or the ranks' hyperparameter
+// fingerprints disagreeing, or a rank's refusal), and the reason the step must name when it skips
+// one.
 #pragma once
 
 #include <cstdint>
@@ -45,6 +46,10 @@ inline std::vector<RecordFault> record_faults(bool has_inf) {
        },
        SkipReason::inconsistent_totals},
       {"rank fingerprints that differ", [](StepTotals& r) { r.max[2] ^= 1; }, SkipReason::hyperparameters_differ},
+      {"a rank's refusal mark", [](StepTotals& r) { r.max[2] = r.max[3] = ~std::uint64_t{0}; },
+       SkipReason::rank_refused},
+      {"half a refusal mark (max[2] alone)", [](StepTotals& r) { r.max[2] = ~std::uint64_t{0}; },
+       SkipReason::inconsistent_totals},
   };
   if (has_inf) {
     faults.push_back({"an inf/NaN count without its key", [](StepTotals& r) { r.max[1] = 0; },

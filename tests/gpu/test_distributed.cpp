@@ -109,10 +109,16 @@ struct RankRun {
 
 enum class Reduce { communicator, caller };
 
+// A rank that refuses one step (step_refused / step_local_refused); rank -1: none.
+struct Refusal {
+  int rank = -1;
+  std::size_t step = 0;
+};
+
 // Steps `c` on `ranges.size()` ranks: the optimizer reduces over its communicator, or (Reduce::
 // caller) the caller reduces the record itself with NCCL between step_local and step_finish.
 std::vector<RankRun> run_ranks_nccl(const ShardedCase& c, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges,
-                                    Reduce how) {
+                                    Reduce how, Refusal refusal = {}) {
   const int n = static_cast<int>(ranges.size());
   ncclUniqueId id;
   must(ncclGetUniqueId(&id), "ncclGetUniqueId");
@@ -133,13 +139,23 @@ std::vector<RankRun> run_ranks_nccl(const ShardedCase& c, const std::vector<std:
       RankRun& me = out[static_cast<std::size_t>(r)];
       me.source = s.source;
       std::vector<std::uint16_t> g(static_cast<std::size_t>(end - begin));
-      for (const auto& step : c.grads) {
+      for (std::size_t k = 0; k < c.grads.size(); ++k) {
+        const auto& step = c.grads[k];
         std::copy(step.begin() + begin, step.begin() + end, g.begin());
         flat.grad.put(g);
+        const bool refuses = refusal.rank == r && refusal.step == k;
         if (how == Reduce::communicator) {
-          opt.step(stream);
+          if (refuses) {
+            opt.step_refused(stream);
+          } else {
+            opt.step(stream);
+          }
         } else {  // what a caller with its own engine does, here with NCCL too
-          opt.step_local(stream);
+          if (refuses) {
+            opt.step_local_refused(stream);
+          } else {
+            opt.step_local(stream);
+          }
           StepTotals* t = opt.device_totals();
           must(ncclGroupStart(), "ncclGroupStart");
           must(ncclAllReduce(t->sum, t->sum, StepTotals::kSumWords, ncclUint64, ncclSum, comm, stream), "sum");
@@ -380,6 +396,48 @@ TEST_CASE("gpu two communicators (data- and tensor-parallel) reduce over every r
   joined.append(replicas[0]);
   CHECK(joined == one.second);
   CHECK(replicas[1] == replicas[0]);  // both holders of R applied the same update
+}
+
+TEST_CASE("gpu a rank that refuses its step makes every rank skip it, and no rank waits", "[gpu][distributed][nccl][multi_gpu]") {
+  const int capacity = rank_capacity();
+  if (capacity < 3) {
+    skip_test("three NCCL ranks need at least three GPUs (found " + std::to_string(capacity) + ")");
+    return;
+  }
+  const ShardedCase c = ShardedCase::make(1400, DType::f16, 10, 700);
+  const Refusal refusal{1, 4};
+  // What the ranks must hold: one rank's run without the refused step (nothing of it is written;
+  // the scaler and step counter stay; only the attempt counts).
+  ShardedCase without = c;
+  without.grads.erase(without.grads.begin() + static_cast<std::ptrdiff_t>(refusal.step));
+  const auto one = run_one(without);
+  std::vector<std::pair<std::int64_t, std::int64_t>> even;
+  for (int r = 0; r < 3; ++r) even.push_back(even_shard(c.numel(), 3, r));
+  for (const Reduce how : {Reduce::communicator, Reduce::caller}) {
+    CAPTURE(how == Reduce::caller);
+    const std::vector<RankRun> ranks = run_ranks_nccl(c, even, how, refusal);
+    FlatBuffers joined;
+    for (const RankRun& me : ranks) {
+      joined.append(me.buffers);
+      for (std::size_t s = 0; s < c.grads.size(); ++s) {
+        CAPTURE(s);
+        const StepReport& got = me.reports[s];
+        CHECK(got.attempt == static_cast<std::int64_t>(s) + 1);
+        if (s == refusal.step) {
+          CHECK(got.outcome == Outcome::skipped_inconsistent);
+          CHECK(got.reason == SkipReason::rank_refused);
+          CHECK(got.scale_next == got.scale_used);
+          continue;
+        }
+        const StepReport& want = one.first[s < refusal.step ? s : s - 1];
+        CHECK(got.outcome == want.outcome);
+        CHECK(same_bits(got.grad_norm, want.grad_norm));
+        CHECK(got.scale_next == want.scale_next);
+        CHECK(got.step == want.step);
+      }
+    }
+    CHECK(joined == one.second);
+  }
 }
 
 TEST_CASE("gpu a record no reduction gives, or ranks with other hyperparameters, is never applied", "[gpu][distributed]") {

@@ -15,6 +15,7 @@
 #include "ranks.hpp"
 #include "record_faults.hpp"
 #include "sharded_run.hpp"
+#include "step_check.hpp"
 
 using namespace halfstep;
 using namespace halfstep_test;
@@ -192,7 +193,9 @@ TEST_CASE("a record no reduction gives, or ranks with other hyperparameters, is 
       if (fault.reason == SkipReason::inconsistent_totals) {
         CHECK_THROWS_AS(summarize(*opt.device_totals(), DType::f16), Error);  // the same rules, by name
       } else {
-        CHECK(!summarize(*opt.device_totals(), DType::f16).hyperparameters_agree);
+        const TotalsSummary s = summarize(*opt.device_totals(), DType::f16);
+        CHECK(!s.hyperparameters_agree);
+        CHECK(s.rank_refused == (fault.reason == SkipReason::rank_refused));
       }
     }
   }
@@ -229,6 +232,74 @@ TEST_CASE("ranks whose learning rates differ all skip the step, naming why, and 
     CHECK(!(summarize(total_record, DType::bf16).hyperparameters_agree) == (step >= 3));
     CHECK(flats[0] == flats[1]);
   }
+}
+
+TEST_CASE("a rank that refuses its step makes every rank skip it, and the ranks stay in step", "[distributed][validate]") {
+  // Three ranks of the split step on even shards; at step 4 rank 1 refuses (step_local_refused:
+  // it reads no gradient). Every rank skips that step as rank_refused and the run goes on exactly
+  // as one rank's run without that step: nothing written, scaler and step counter unchanged, only
+  // the attempt counted.
+  ShardedCase c = ShardedCase::make(964, DType::f16, 10, 500);
+  constexpr int kRanks = 3;
+  constexpr std::size_t kRefused = 4;
+  std::vector<FlatBuffers> flats;
+  std::vector<std::unique_ptr<FusedAdamW>> opts;
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+  for (int r = 0; r < kRanks; ++r) ranges.push_back(even_shard(c.numel(), kRanks, r));
+  for (int r = 0; r < kRanks; ++r) flats.push_back(c.initial.slice(ranges[static_cast<std::size_t>(r)].first,
+                                                                   ranges[static_cast<std::size_t>(r)].second));
+  for (int r = 0; r < kRanks; ++r) {
+    FlatBuffers& f = flats[static_cast<std::size_t>(r)];
+    const Shard s = shard(c.layout, ranges[static_cast<std::size_t>(r)].first, ranges[static_cast<std::size_t>(r)].second,
+                          f.view());
+    opts.push_back(std::make_unique<FusedAdamW>(s.tensors, c.config, Distributed{r, {}}, Backend::reference));
+  }
+  FlatBuffers one = c.initial;
+  FusedAdamW single(c.whole(one), c.config, Backend::reference);
+  for (std::size_t step = 0; step < c.grads.size(); ++step) {
+    StepTotals total{};
+    for (int r = 0; r < kRanks; ++r) {
+      const auto [begin, end] = ranges[static_cast<std::size_t>(r)];
+      FlatBuffers& f = flats[static_cast<std::size_t>(r)];
+      f.grad.assign(c.grads[step].begin() + begin, c.grads[step].begin() + end);
+      if (step == kRefused && r == 1) {
+        opts[1]->step_local_refused();
+      } else {
+        opts[static_cast<std::size_t>(r)]->step_local();
+      }
+      combine(total, *opts[static_cast<std::size_t>(r)]->device_totals());
+    }
+    CHECK(summarize(total, DType::f16).rank_refused == (step == kRefused));
+    if (step != kRefused) {
+      one.grad = c.grads[step];
+      single.step();
+    }
+    for (int r = 0; r < kRanks; ++r) {
+      CAPTURE(step, r);
+      *opts[static_cast<std::size_t>(r)]->device_totals() = total;
+      opts[static_cast<std::size_t>(r)]->step_finish();
+      const StepReport got = opts[static_cast<std::size_t>(r)]->last_report();
+      CHECK(got.attempt == static_cast<std::int64_t>(step) + 1);
+      if (step == kRefused) {
+        CHECK(got.outcome == Outcome::skipped_inconsistent);
+        CHECK(got.reason == SkipReason::rank_refused);
+        // The refusing rank's record holds no elements: the others' are counted.
+        CHECK(got.numel == c.numel() - (ranges[1].second - ranges[1].first));
+        continue;
+      }
+      const StepReport want = single.last_report();
+      CHECK(got.outcome == want.outcome);
+      CHECK(same_bits(got.grad_norm, want.grad_norm));
+      CHECK(got.scale_next == want.scale_next);
+      CHECK(got.step == want.step);
+    }
+  }
+  FlatBuffers joined;
+  for (const FlatBuffers& f : flats) joined.append(f);
+  CHECK(joined.master == one.master);
+  CHECK(joined.model == one.model);
+  CHECK(joined.exp_avg_sq == one.exp_avg_sq);
+  CHECK_THROWS_WITH(opts[0]->step_refused(), Catch::Contains("step_local_refused"));
 }
 
 TEST_CASE("the split step refuses calls out of order and the reference backend refuses communicators", "[distributed][validate]") {
