@@ -31,7 +31,7 @@ import torch.distributed as _dist
 
 from . import (BACKEND_CUDA, BACKEND_REFERENCE, BF16, F16, F32, TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, HalfstepError,
                Optimizer, config, group, version)
-from . import _fp32, _ranks, _sharding
+from . import _dtensor, _fp32, _ranks, _sharding
 
 __all__ = ["FusedAdamW", "GradScaler"]
 
@@ -104,6 +104,20 @@ def _check_hyperparameters(lr, betas, eps, weight_decay, where="FusedAdamW"):
     return float(lr), (float(betas[0]), float(betas[1])), float(eps), float(weight_decay)
 
 
+def _listed(params):
+    """The params argument as torch.optim takes it (an iterable of tensors or of param-group dicts),
+    as a list, each group's params a list: iterators are read once, here."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                        + torch.typename(params))
+    out = []
+    for g in params:
+        if isinstance(g, dict) and "params" in g and not isinstance(g["params"], torch.Tensor):
+            g = {**g, "params": list(g["params"])}
+        out.append(g)
+    return out
+
+
 class _ParamState(dict):
     """opt.state[p]: views of the parameter's fp32 master, exp_avg and exp_avg_sq (writing into
     them writes the optimizer's state), and its step count, a copy the step refreshes (the
@@ -149,10 +163,19 @@ class FusedAdamW(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, max_grad_norm=0.0,
-                 scaler=None, spike=None, compute_dtype=torch.float16, process_group=None, shard=True):
+                 scaler=None, spike=None, compute_dtype=torch.float16, process_group=None, shard=None):
         self._built = False
+        params = _listed(params)
+        # DTensor parameters (FSDP2, tensor parallelism): the record is all-reduced over their mesh.
+        self._mesh = _dtensor.check(list(enumerate(
+            t for g in params for t in (g["params"] if isinstance(g, dict) else [g]) if isinstance(t, torch.Tensor))))
+        if self._mesh is not None:
+            if shard:
+                raise ValueError("shard=True: DTensor parameters are sharded already (FSDP2); FusedAdamW steps each "
+                                 "rank's local shards (leave shard out)")
+            process_group = _dtensor.mesh_group(self._mesh, process_group)
         self._pg = process_group
-        self._shard = bool(shard) and process_group is not None
+        self._shard = (shard is None or bool(shard)) and process_group is not None and self._mesh is None
         if process_group is None:
             self._world, self._rank = 1, 0
         else:
@@ -209,7 +232,8 @@ class FusedAdamW(torch.optim.Optimizer):
         return self._fingerprint()
 
     def _fingerprint(self):
-        return repr((str(self._dtype), self._shapes, self._group_of, [self._pushable(g) for g in self.param_groups],
+        layout = [_dtensor.describe(p) for p in self._params] if self._mesh is not None else None
+        return repr((str(self._dtype), self._shapes, layout, self._group_of, [self._pushable(g) for g in self.param_groups],
                      float(self._options["max_grad_norm"]), bytes(self._cfg), self._shard)).encode()
 
     # -- building the step -------------------------------------------------------------------------
@@ -227,6 +251,7 @@ class FusedAdamW(torch.optim.Optimizer):
         it replaces."""
         params = [p for g in self.param_groups for p in g["params"]]
         self._params = params
+        self._locals = [_dtensor.local(p) for p in params]  # what this rank holds (DTensors: the shards)
         self._group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
         self._shapes = [tuple(p.shape) for p in params]
         self._pushed = [self._pushable(g) for g in self.param_groups]  # what the device holds
@@ -236,11 +261,17 @@ class FusedAdamW(torch.optim.Optimizer):
                   for h, k in zip(self._pushed, self._step_offsets)]
 
         # The flat parameter space and the range each rank owns (_sharding).
-        numels = [p.numel() for p in params]
+        numels = [t.numel() for t in self._locals]
         self._offsets = [sum(numels[:i]) for i in range(len(params))]
         self._chunk = _sharding.chunk_size(sum(numels), self._world)
-        self._tables = [_sharding.rank_table(numels, self._world, r, self._pg is not None, self._shard)
-                        for r in range(self._world)]
+        if self._mesh is not None:
+            # Each rank steps its local shards, whole; every rank's table has one entry per
+            # parameter (a report's tensor index is the parameter's on every rank).
+            mine = [(i, 0, n, 0, _dtensor.counts_in_norm(p)) for i, (p, n) in enumerate(zip(params, numels))]
+            self._tables = [mine] * self._world
+        else:
+            self._tables = [_sharding.rank_table(numels, self._world, r, self._pg is not None, self._shard)
+                            for r in range(self._world)]
         self._pieces_of = [[] for _ in params]  # this rank's pieces of each parameter
         for i, off, length, at, _ in self._tables[self._rank]:
             self._pieces_of[i].append((off, length, at))
@@ -264,7 +295,7 @@ class FusedAdamW(torch.optim.Optimizer):
         # What the library holds the addresses of, and the parameters' version counters: step()
         # refuses moved storage and takes weights written into the parameters as new masters.
         self._layout = self._current_layout()
-        self._versions = [p._version for p in params]
+        self._versions = self._current_versions()
         self._unstepped = not carried  # the first step takes the parameters as they are then
         # The groups' parameters as built: step() refuses a param_groups changed other than by
         # add_param_group.
@@ -276,22 +307,24 @@ class FusedAdamW(torch.optim.Optimizer):
         piece of this rank's range (shard)."""
         dev, elem = self._device, params[0].element_size()
         fp32 = self._dtype == torch.float32
+        weights = [t.detach() for t in self._locals]
 
-        def initial(p):
-            if p in carried:
-                return carried[p]
-            return (p.detach().float().contiguous().clone(), torch.zeros(p.shape, dtype=torch.float32, device=dev),
-                    torch.zeros(p.shape, dtype=torch.float32, device=dev))
+        def initial(i):
+            if params[i] in carried:
+                return carried[params[i]]
+            w = weights[i]
+            return (w.float().contiguous().clone(), torch.zeros(w.shape, dtype=torch.float32, device=dev),
+                    torch.zeros(w.shape, dtype=torch.float32, device=dev))
 
         tensors = []
         if not self._shard:
             # Per parameter; the model copy is the parameter itself (fp32: the parameter is the master).
             self._masters, self._exp_avg, self._exp_avg_sq = [], [], []
-            for p in params:
-                m, a, s = initial(p)
+            for i, w in enumerate(weights):
+                m, a, s = initial(i)
                 if fp32:
-                    p.detach().copy_(m.view_as(p))  # the carried master (the same values)
-                    m = p.detach()
+                    w.copy_(m.view_as(w))  # the carried master (the same values)
+                    m = w
                 self._masters.append(m)
                 self._exp_avg.append(a.contiguous())
                 self._exp_avg_sq.append(s.contiguous())
@@ -299,7 +332,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 tensors.append(dict(master=self._masters[i].data_ptr() + 4 * off, grad=0,
                                     exp_avg=self._exp_avg[i].data_ptr() + 4 * off,
                                     exp_avg_sq=self._exp_avg_sq[i].data_ptr() + 4 * off,
-                                    model=0 if fp32 else params[i].data_ptr() + elem * off, numel=length,
+                                    model=0 if fp32 else weights[i].data_ptr() + elem * off, numel=length,
                                     group=self._group_of[i], in_norm=in_norm))
             return tensors
         # ZeRO-1: this rank's chunk of the flat space, flat; the gradients are read where they are and
@@ -311,12 +344,12 @@ class FusedAdamW(torch.optim.Optimizer):
         self._model_chunk = self._masters[0] if fp32 else torch.zeros(n, dtype=self._dtype, device=dev)
         self._gathered = torch.zeros(n * self._world, dtype=self._dtype, device=dev)
         for i, off, length, at, _ in self._tables[self._rank]:
-            m, a, s = initial(params[i])
+            m, a, s = initial(i)
             self._masters[0][at:at + length].copy_(m.reshape(-1)[off:off + length])
             self._exp_avg[0][at:at + length].copy_(a.reshape(-1)[off:off + length])
             self._exp_avg_sq[0][at:at + length].copy_(s.reshape(-1)[off:off + length])
             if not fp32:
-                self._model_chunk[at:at + length].copy_(params[i].detach().reshape(-1)[off:off + length])
+                self._model_chunk[at:at + length].copy_(weights[i].reshape(-1)[off:off + length])
             tensors.append(dict(master=self._masters[0].data_ptr() + 4 * at, grad=0,
                                 exp_avg=self._exp_avg[0].data_ptr() + 4 * at,
                                 exp_avg_sq=self._exp_avg_sq[0].data_ptr() + 4 * at,
@@ -363,7 +396,10 @@ class FusedAdamW(torch.optim.Optimizer):
         return self._live_steps.clone()
 
     def _current_layout(self):
-        return [(p.data_ptr(), p.numel(), p.dtype) for p in self._params]
+        return [(t.data_ptr(), t.numel(), t.dtype) for t in map(_dtensor.local, self._params)]
+
+    def _current_versions(self):
+        return [_dtensor.version(p) for p in self._params]
 
     def _collective_device(self):
         """Where the group's backend reduces: the current CUDA device for NCCL, else the CPU."""
@@ -394,6 +430,7 @@ class FusedAdamW(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         with self._lock:
+            self._follow_replaced_params()
             before = list(self.param_groups)
             error = None
             try:
@@ -404,7 +441,11 @@ class FusedAdamW(torch.optim.Optimizer):
                 _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"],
                                        "add_param_group")
                 super().add_param_group(param_group)  # torch's checks: a parameter in two groups, ...
-                self._check_params([p for g in self.param_groups for p in g["params"]])
+                everything = [p for g in self.param_groups for p in g["params"]]
+                self._check_params(everything)
+                if _dtensor.check(list(enumerate(everything))) != self._mesh:
+                    raise ValueError("add_param_group: the new parameters are not on this optimizer's device mesh "
+                                     "(%s)" % (self._mesh,))
             except Exception as e:  # noqa: BLE001 (re-raised below, after the ranks agreed)
                 self.param_groups[:] = before
                 if self._pg is None:
@@ -422,6 +463,46 @@ class FusedAdamW(torch.optim.Optimizer):
                     raise
             self._rebuild()
 
+    def _follow_replaced_params(self):
+        """Before the first step, parameters that param_groups holds in place of those the
+        optimizer was built with, one for one with the same global shape and dtype, are taken:
+        accelerate's FSDP2 preparation (Trainer's too) swaps a built optimizer's parameters for
+        their fully_shard-ed DTensors. The optimizer is rebuilt over them (their mesh's group, their
+        values as the weights). After a step has been attempted, or if the parameters do not
+        correspond, the step refuses param_groups changes as before."""
+        groups = self.param_groups
+        if len(groups) == len(self._group_params) and all(
+                len(g["params"]) == len(built) and all(map(_operator.is_, g["params"], built))
+                for g, built in zip(groups, self._group_params)):
+            return
+        if len(groups) != len(self._group_params) or any(len(g["params"]) != len(b)
+                                                         for g, b in zip(groups, self._group_params)):
+            return  # not a swap: the step's own check names the change
+        new = [p for g in groups for p in g["params"]]
+        if not all(isinstance(p, torch.Tensor) and tuple(p.shape) == old_shape and p.dtype == self._dtype
+                   for p, old_shape in zip(new, self._shapes)):
+            return
+        if self._opt.state()["attempts"] > 0:
+            raise ValueError("param_groups holds other parameters than this optimizer was built with, and it has "
+                             "stepped: parameters may be replaced (as accelerate's FSDP2 preparation does) only "
+                             "before the first step; build the optimizer over the new parameters")
+        mesh = _dtensor.check(list(enumerate(new)))
+        if mesh is None and self._mesh is not None:
+            raise ValueError("param_groups' DTensor parameters were replaced by plain tensors: build the optimizer "
+                             "over the new parameters")
+        self._check_params(new)
+        library_state = self._opt.state()
+        if mesh is not None:
+            pg = _dtensor.mesh_group(mesh, self._pg if self._mesh is not None else None)
+            self._mesh, self._pg, self._shard = mesh, pg, False
+            self._world, self._rank = _dist.get_world_size(pg), _dist.get_rank(pg)
+        self._device = new[0].device
+        self._build({}, library_state)
+        self._unstepped = True
+        if self._pg is not None:
+            self._agree_on(None, self._fingerprint(), "another rank refused its parameters",
+                           "the ranks replaced their parameters by different ones")
+
     def _rebuild(self):
         """A new library optimizer over the current param_groups, continuing this one's state. A
         new group counts its bias corrections from its own first step, as torch.optim does."""
@@ -437,8 +518,8 @@ class FusedAdamW(torch.optim.Optimizer):
         ranks all-gather their chunks)."""
         old = self._params
         if not self._shard:
-            return {p: (m.detach().clone().view(p.shape), a.view(p.shape), s.view(p.shape))
-                    for p, m, a, s in zip(old, self._masters, self._exp_avg, self._exp_avg_sq)}
+            return {p: (m.detach().clone().view(t.shape), a.view(t.shape), s.view(t.shape))
+                    for p, t, m, a, s in zip(old, self._locals, self._masters, self._exp_avg, self._exp_avg_sq)}
         flats = []
         for chunk in (self._masters[0], self._exp_avg[0], self._exp_avg_sq[0]):
             parts = [torch.empty_like(chunk) for _ in range(self._world)]
@@ -473,15 +554,13 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise ValueError("%s is on %s, parameter 0 on %s: one device per optimizer" % (where, p.device, device))
             if device.type not in ("cpu", "cuda"):
                 raise ValueError("%s is on %s: halfstep runs on CUDA devices and on the CPU" % (where, device))
-            if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
-                raise TypeError("%s is a DTensor (FSDP2 or tensor parallelism): this FusedAdamW takes plain "
-                                "tensors" % where)
             if not p.is_leaf:
                 raise ValueError("%s must be a leaf tensor" % where)
-            if not p.is_contiguous():
+            t = _dtensor.local(p)
+            if not t.is_contiguous():
                 raise ValueError("%s is not contiguous: halfstep writes the parameter in place" % where)
-            if p.numel() > 0:
-                seen.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i))
+            if t.numel() > 0:
+                seen.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i))
         seen.sort()
         for (a0, a1, i), (b0, b1, j) in zip(seen, seen[1:]):
             if b0 < a1:
@@ -519,7 +598,17 @@ class FusedAdamW(torch.optim.Optimizer):
         """The parameters' gradients, checked, as the library's table wants them: the address of
         each entry's gradient (0: the parameter has none this step)."""
         grads = [p.grad for p in self._params]
-        for i, (p, g) in enumerate(zip(self._params, grads)):
+        if self._mesh is not None:
+            for i, (p, g) in enumerate(zip(self._params, grads)):
+                if g is None:
+                    continue
+                if not _dtensor.is_dtensor(g) or g.device_mesh != p.device_mesh or g.placements != p.placements:
+                    raise RuntimeError("parameter %d's .grad is %s; the parameter is a DTensor with placements %s: "
+                                       "halfstep reads gradients laid out as their parameters (reduced: no Partial)"
+                                       % (i, ("a DTensor with placements %s" % (g.placements,)) if _dtensor.is_dtensor(g)
+                                          else "a plain tensor", p.placements))
+            grads = [None if g is None else _dtensor.local(g) for g in grads]
+        for i, (p, g) in enumerate(zip(self._locals, grads)):
             if g is None:
                 continue
             if g.dtype != p.dtype or g.device != p.device or g.shape != p.shape:
@@ -551,10 +640,10 @@ class FusedAdamW(torch.optim.Optimizer):
             self._versions = versions
             return
         with torch.no_grad():
-            for i, (p, now, then) in enumerate(zip(self._params, versions, self._versions)):
+            for i, (t, now, then) in enumerate(zip(self._locals, versions, self._versions)):
                 if now == then and not everything:
                     continue
-                flat = p.detach().reshape(-1)
+                flat = t.detach().reshape(-1)
                 if not self._shard:
                     self._take(self._masters[i].view(-1), None, flat)
                     continue
@@ -579,12 +668,12 @@ class FusedAdamW(torch.optim.Optimizer):
         show those); call this after writes it cannot see: through `.data`, raw pointers, or a
         collective such as a broadcast after training began. With a process_group, on every rank."""
         with self._lock:
-            self._take_written_weights([p._version for p in self._params], everything=True)
+            self._take_written_weights(self._current_versions(), everything=True)
 
     def _take_pending_weights(self):
         """What the next step takes from the parameters before it runs: before the first step
         every parameter, after it those whose version counter moved."""
-        versions = [p._version for p in self._params]
+        versions = self._current_versions()
         if self._unstepped or versions != self._versions:
             self._take_written_weights(versions, everything=self._unstepped)
             self._unstepped = False
@@ -650,6 +739,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 loss = closure()
         ctx = torch.cuda.device(self._device) if self._device.type == "cuda" else _contextlib.nullcontext()
         with self._lock, ctx:
+            self._follow_replaced_params()
             if self._pg is None:
                 self._opt.step(self._prepare())
             else:
@@ -689,13 +779,13 @@ class FusedAdamW(torch.optim.Optimizer):
         flat = self._gathered
         for p, at in zip(self._params, self._offsets):
             p.detach().view(-1).copy_(flat[at:at + p.numel()])
-        self._versions = [p._version for p in self._params]  # our own writes
+        self._versions = self._current_versions()  # our own writes
 
     @torch.no_grad()
     def zero_grad(self, set_to_none=True):
         """As torch.optim: sets every parameter's .grad to None (or zeroes it in place with
         set_to_none=False). The next backward pass's new gradients are what the next step reads."""
-        for p in self._params:
+        for p in (p for g in self.param_groups for p in g["params"]):
             if p.grad is None:
                 continue
             if set_to_none:
@@ -744,6 +834,7 @@ class FusedAdamW(torch.optim.Optimizer):
         with self._lock:
             for hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
                 hook(self)
+            self._follow_replaced_params()
             self._take_pending_weights()
             sd = self._state_dict()
             for hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
@@ -763,6 +854,10 @@ class FusedAdamW(torch.optim.Optimizer):
         state = {}
         for i, (m, a, s) in enumerate(zip(self._masters, self._exp_avg, self._exp_avg_sq)):
             state[i] = {"master": m.detach().clone(), "exp_avg": a.detach().clone(), "exp_avg_sq": s.detach().clone()}
+            if self._mesh is not None:
+                # DTensors laid out as the parameter: torch.distributed.checkpoint saves them
+                # sharded and loads them into any other number of ranks.
+                state[i] = {k: _dtensor.like(v.view(self._locals[i].shape), self._params[i]) for k, v in state[i].items()}
         return {"state": state, "param_groups": groups,
                 # The library's state as a uint8 tensor: torch.load(weights_only=True) reads it.
                 "halfstep": {"version": version(),
@@ -788,6 +883,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 hook(self)
 
     def _load_state_dict(self, state_dict):
+        self._follow_replaced_params()
         error = None
         try:
             state, groups, blob, pushed, offsets = self._checked(state_dict)
@@ -822,9 +918,9 @@ class FusedAdamW(torch.optim.Optimizer):
                     self._model_chunk.copy_(self._masters[0])
                 self._gather()
             elif self._dtype != torch.float32:
-                for p, m in zip(self._params, self._masters):
-                    p.detach().copy_(m.view_as(p))
-        self._versions = [p._version for p in self._params]  # our own writes
+                for t, m in zip(self._locals, self._masters):
+                    t.detach().copy_(m.view_as(t))
+        self._versions = self._current_versions()  # our own writes
         self._unstepped = False  # the masters are the checkpoint's, not the rounded parameters
         self._step_copy.copy_(self._live_steps)
         # The device holds the hyperparameters of the saved optimizer (also a rate written through
@@ -843,7 +939,7 @@ class FusedAdamW(torch.optim.Optimizer):
         hs = state_dict.get("halfstep") if isinstance(state_dict, dict) else None
         if not isinstance(hs, dict) or "optimizer_state" not in hs:
             raise ValueError("load_state_dict: not a halfstep.torch.FusedAdamW state_dict (no 'halfstep' entry)")
-        if hs.get("world") != self._world or hs.get("rank") != self._rank:
+        if self._mesh is None and (hs.get("world") != self._world or hs.get("rank") != self._rank):
             raise ValueError("load_state_dict: written by rank %s of %s ranks; this is rank %d of %d" %
                              (hs.get("rank"), hs.get("world"), self._rank, self._world))
         shapes = [tuple(x) for x in hs.get("shapes", ())] if isinstance(hs.get("shapes"), (list, tuple)) else None
@@ -880,6 +976,8 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError("load_state_dict: ['halfstep']['pushed'] must hold (lr, betas, eps, weight_decay) "
                              "per group") from None
         state = state_dict.get("state", {})
+        if self._mesh is not None:
+            state = self._local_state(state)
         for i, m in enumerate(self._masters):
             entry = state.get(i) if isinstance(state, dict) else None
             if not isinstance(entry, dict):
@@ -907,6 +1005,34 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError("load_state_dict: ['halfstep']['optimizer_state'] must be a uint8 tensor")
         return state, groups, bytes(blob), pushed, list(offsets)
 
+    def _local_state(self, state):
+        """A DTensor optimizer's state entries as this rank's local tensors: DTensors laid out as
+        their parameter (what state_dict() gives, also after torch.distributed.checkpoint loaded
+        it on another number of ranks), or whole tensors of the parameter's global shape (a
+        gathered state_dict), of which each rank takes its own piece."""
+        if not isinstance(state, dict):
+            return state
+        out = {}
+        for i, entry in state.items():
+            if not isinstance(i, int) or not 0 <= i < len(self._params) or not isinstance(entry, dict):
+                out[i] = entry
+                continue
+            p, local = self._params[i], {}
+            for key, t in entry.items():
+                if _dtensor.is_dtensor(t):
+                    if t.device_mesh != p.device_mesh or t.placements != p.placements or t.shape != p.shape:
+                        raise ValueError("load_state_dict: state[%d]['%s'] is a DTensor of shape %s with placements %s "
+                                         "on %s; parameter %d's are %s, %s on %s: load it with "
+                                         "torch.distributed.checkpoint into this optimizer's state_dict()"
+                                         % (i, key, tuple(t.shape), t.placements, t.device_mesh, i, tuple(p.shape),
+                                            p.placements, p.device_mesh))
+                    t = _dtensor.local(t)
+                elif isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(p.shape) and t.shape != self._locals[i].shape:
+                    t = _dtensor.piece(t, p)
+                local[key] = t
+            out[i] = local
+        return out
+
     # -- the GradScaler protocol -------------------------------------------------------------------
 
     def _attach(self, scaler, options):
@@ -927,9 +1053,7 @@ class FusedAdamW(torch.optim.Optimizer):
                                      "step" % (self._scaler_options, options))
                 self._scaler_options = options
                 self._take_pending_weights()
-                self._build({p: (m.detach().clone().view(p.shape), a.view(p.shape), s.view(p.shape))
-                             for p, m, a, s in zip(self._params, self._masters, self._exp_avg, self._exp_avg_sq)}
-                            if not self._shard else {})
+                self._build(self._full_state() if not self._shard else {})
             self._grad_scaler = scaler
 
 
