@@ -3,7 +3,8 @@
 #   build (gpu preset), every GPU test including [large], compute-sanitizer (memcheck, racecheck,
 #   initcheck, synccheck) on the GPU tests at reduced sizes, the benchmark (short configuration),
 #   the Python package's tests (with the GPU ones) and bench/compare_torch.py through the package
-#   when PyTorch with CUDA is importable, a short halfstep-train run on the GPU, the
+#   when PyTorch with CUDA is importable, halfstep inside Trainer and accelerate (fp16, and Trainer
+#   on FSDP2 with two GPUs) next to the standard pipeline, a short halfstep-train run on the GPU, the
 #   NCCL tests alone, and halfstep-train --ranks over every visible GPU.
 # Logs go under LOG_DIR; a table of results is printed last. Exits non-zero if anything failed.
 #
@@ -126,6 +127,33 @@ if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   fi
 else
   record "compare_torch.py" skipped "PyTorch with CUDA not importable"
+fi
+
+# --- halfstep inside Trainer and accelerate on the GPU (fp16, their GradScaler driving the fused step) --
+# examples/torch/frameworks.py needs transformers and accelerate next to a PyTorch with CUDA;
+# the FSDP2 Trainer run needs two GPUs (NCCL, one per process).
+fw_python=${HALFSTEP_FRAMEWORKS_PYTHON:-python3}
+if "$fw_python" -c "import torch, transformers, accelerate, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+     > /dev/null 2>&1; then
+  if PYTHONPATH="$PWD/python" HALFSTEP_LIBRARY="$PWD/$bin/libhalfstep.so" "$fw_python" examples/torch/frameworks.py \
+       --device cuda --check --out "$logs/frameworks_gpu.json" > "$logs/frameworks_gpu.log" 2>&1; then
+    record "frameworks.py --device cuda" ok "$(grep -c '^ok' "$logs/frameworks_gpu.log") pairs agree"
+  else
+    record "frameworks.py --device cuda" FAIL "$(grep -E '^FAILED|Error' "$logs/frameworks_gpu.log" | head -1)"
+  fi
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    if PYTHONPATH="$PWD/python" HALFSTEP_LIBRARY="$PWD/$bin/libhalfstep.so" "$fw_python" -m torch.distributed.run \
+         --standalone --nproc_per_node 2 examples/torch/frameworks.py --device cuda --runs trainer-fsdp --check \
+         --workdir "$logs/fsdp_gpu" > "$logs/frameworks_fsdp_gpu.log" 2>&1; then
+      record "frameworks.py trainer-fsdp (2 GPUs)" ok "$(grep '^ok' "$logs/frameworks_fsdp_gpu.log" | cut -c1-80)"
+    else
+      record "frameworks.py trainer-fsdp (2 GPUs)" FAIL "frameworks_fsdp_gpu.log"
+    fi
+  else
+    record "frameworks.py trainer-fsdp (2 GPUs)" skipped "one GPU"
+  fi
+else
+  record "frameworks.py --device cuda" skipped "no PyTorch with CUDA, transformers and accelerate in $fw_python"
 fi
 
 # --- the main job on the GPU -------------------------------------------------------------------------

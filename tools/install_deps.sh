@@ -48,6 +48,14 @@ if ! "$torch_venv/bin/python" -c "import torch, numpy, pytest; assert torch.__ve
   /usr/bin/python3 -m venv "$torch_venv"
   "$torch_venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0 numpy pytest
 fi
+# Hugging Face transformers and accelerate (PyPI, pinned) in the same environment: the side-by-side
+# runs of halfstep inside Trainer and accelerate's loop (examples/torch/frameworks.py). Their
+# models are built from small configurations with random weights: nothing is downloaded at run time.
+if ! "$torch_venv/bin/python" -c "import transformers, accelerate; assert transformers.__version__ == '5.24.0' \
+     and accelerate.__version__ == '1.15.0'" >/dev/null 2>&1; then
+  echo "installing transformers 5.24.0 and accelerate 1.15.0 from PyPI into $torch_venv"
+  "$torch_venv/bin/pip" install -q --disable-pip-version-check transformers==5.24.0 accelerate==1.15.0
+fi
 if ! ls "$root"/.venv/lib/python3*/site-packages/nvidia/*/bin/nvdisasm >/dev/null 2>&1; then
   "$root/.venv/bin/pip" install -q --disable-pip-version-check nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm ||
     echo "nvidia-cuda-cuobjdump not installed: instruction counts will be PTX only" >&2

@@ -227,6 +227,7 @@ class FusedAdamW(torch.optim.Optimizer):
         # would be lost).
         self._lock = _threading.RLock()
         self._step_offsets = [0] * len(self.param_groups)  # applied steps before each group joined
+        self._stepped = False  # a step was attempted (from then on the parameters are fixed)
         self._build({})
         self._built = True
         return self._fingerprint()
@@ -464,16 +465,19 @@ class FusedAdamW(torch.optim.Optimizer):
             self._rebuild()
 
     def _follow_replaced_params(self):
-        """Before the first step, parameters that param_groups holds in place of those the
-        optimizer was built with, one for one with the same global shape and dtype, are taken:
-        accelerate's FSDP2 preparation (Trainer's too) swaps a built optimizer's parameters for
-        their fully_shard-ed DTensors. The optimizer is rebuilt over them (their mesh's group, their
-        values as the weights). After a step has been attempted, or if the parameters do not
-        correspond, the step refuses param_groups changes as before."""
+        """Before the first step the optimizer follows its parameters: parameters that
+        param_groups holds in place of those it was built with, one for one with the same global
+        shape and dtype (accelerate's FSDP2 preparation, Trainer's too, swaps a built optimizer's
+        parameters for their fully_shard-ed DTensors), and parameters whose storage moved
+        (.to(), a framework's wrapping). It is rebuilt over them (a DTensor mesh's group, their
+        values as the weights). Once a step was attempted, the step refuses such changes."""
+        if self._stepped:
+            return
         groups = self.param_groups
-        if len(groups) == len(self._group_params) and all(
-                len(g["params"]) == len(built) and all(map(_operator.is_, g["params"], built))
-                for g, built in zip(groups, self._group_params)):
+        same = len(groups) == len(self._group_params) and all(
+            len(g["params"]) == len(built) and all(map(_operator.is_, g["params"], built))
+            for g, built in zip(groups, self._group_params))
+        if same and self._current_layout() == self._layout:
             return
         if len(groups) != len(self._group_params) or any(len(g["params"]) != len(b)
                                                          for g, b in zip(groups, self._group_params)):
@@ -482,7 +486,10 @@ class FusedAdamW(torch.optim.Optimizer):
         if not all(isinstance(p, torch.Tensor) and tuple(p.shape) == old_shape and p.dtype == self._dtype
                    for p, old_shape in zip(new, self._shapes)):
             return
-        if self._opt.state()["attempts"] > 0:
+        if self._opt.state()["attempts"] > 0:  # a loaded state: it belongs to the storage it was loaded into
+            self._stepped = True
+            if same:
+                return  # the step names the moved storage
             raise ValueError("param_groups holds other parameters than this optimizer was built with, and it has "
                              "stepped: parameters may be replaced (as accelerate's FSDP2 preparation does) only "
                              "before the first step; build the optimizer over the new parameters")
@@ -770,6 +777,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     raise refused
             self._step_copy.copy_(self._live_steps)
             self._scale_taken = False
+            self._stepped = True
         return loss
 
     def _gather(self):

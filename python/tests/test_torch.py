@@ -352,9 +352,19 @@ def test_device_views_keep_the_optimizer_alive():
     assert owner() is None, "and is freed with the last view"
 
 
-def test_storage_moved_after_construction_is_refused():
+def test_storage_moved_before_the_first_step_is_followed_and_after_it_refused():
     params = fresh_params([(4,), (5,)], torch.bfloat16, seed=15)
     opt = FusedAdamW(params, lr=1e-3)
+    # Before the first step (.to(), .data assignments, a framework wrapping the model): the
+    # optimizer is rebuilt over the new storage, its values the weights.
+    params[1].data = torch.full_like(params[1], 0.5)
+    for p in params:
+        p.grad = torch.ones_like(p)  # bf16: no loss scaling; Adam's first step is -lr everywhere
+    opt.step()
+    assert opt.last_report()["outcome"] == "applied"
+    assert torch.allclose(opt.state[params[1]]["master"], torch.full((5,), 0.5 * (1 - 1e-5) - 1e-3), atol=1e-6)
+    assert torch.equal(params[1], opt.state[params[1]]["master"].to(torch.bfloat16))
+    # After it, moved storage is refused (the optimizer holds the addresses it steps).
     old = params[1].data
     params[1].data = torch.zeros_like(old)
     with pytest.raises(RuntimeError, match="parameter 1 now has other storage"):
@@ -364,7 +374,7 @@ def test_storage_moved_after_construction_is_refused():
     params[0].grad.resize_(400)
     with pytest.raises(RuntimeError, match=r"parameter 0's \.grad is torch.bfloat16 \(400,\)"):
         opt.step()
-    assert opt.scaler_state()["attempts"] == 0, "nothing ran"
+    assert opt.scaler_state()["attempts"] == 1, "nothing more ran"
 
 
 def test_weights_written_into_the_parameters_become_the_masters():
