@@ -11,6 +11,8 @@ model, data and seed, on the CPU:
                and FusedAdamW next to torch.amp.GradScaler + clip_grad_norm_ + torch.optim.AdamW. The
                scale starts at 2^24, so both back off through overflows and grow back: they must
                skip the same steps with the same scales.
+  trainer-ddp  Trainer with the GPT-2-shaped model on N processes (torchrun): Trainer wraps it in
+               DistributedDataParallel after the optimizer was built.
   trainer-fsdp Trainer over a model that transformers shards with FSDP2 as it loads
                (from_pretrained(distributed_config=DistributedConfig(fsdp_size=N))): FusedAdamW
                given as optimizer_cls_and_kwargs, on its DTensor shards. Run under torchrun with N
@@ -41,7 +43,7 @@ rate, a missed bias correction, an unscaled gradient) moves the loss by more wit
 
 usage: examples/torch/frameworks.py [--runs trainer,accelerate,gradscaler] [--steps 30] [--device cpu|cuda]
                                    [--out FILE] [--check]
-       torchrun --nproc_per_node 2 examples/torch/frameworks.py --runs trainer-fsdp --workdir DIR --check
+       torchrun --nproc_per_node 2 examples/torch/frameworks.py --runs trainer-ddp,trainer-fsdp --workdir DIR --check
 """
 
 import argparse
@@ -209,15 +211,31 @@ def run_gradscaler(steps, workdir, device):
     return out
 
 
-def run_trainer_fsdp(steps, workdir, device):
+def init_distributed(device):
     import torch.distributed as dist
-    from transformers import LlamaForCausalLM
-    from transformers.distributed import DistributedConfig
+    if dist.is_initialized():
+        return
     if device == "cpu":
         dist.init_process_group("gloo")
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
+
+
+def run_trainer_ddp(steps, workdir, device):
+    """Trainer on several processes with a plain model: it wraps the model in DDP itself."""
+    import torch.distributed as dist
+    init_distributed(device)
+    out = run_trainer(steps, workdir, device)
+    out["world"] = dist.get_world_size()
+    return out
+
+
+def run_trainer_fsdp(steps, workdir, device):
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+    init_distributed(device)
     world = dist.get_world_size()
     path = os.path.join(workdir, "tiny-llama")
     if dist.get_rank() == 0:
@@ -233,7 +251,8 @@ def run_trainer_fsdp(steps, workdir, device):
 
 
 RUNS = {"trainer": run_trainer, "accelerate": run_accelerate, "gradscaler": run_gradscaler,
-        "trainer-fsdp": run_trainer_fsdp}
+        "trainer-ddp": run_trainer_ddp, "trainer-fsdp": run_trainer_fsdp}
+DISTRIBUTED = ("trainer-ddp", "trainer-fsdp")
 
 
 def check(results):
@@ -274,8 +293,8 @@ def main():
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         ap.error("unknown run %s (choose from %s)" % (", ".join(unknown), ", ".join(RUNS)))
-    if "trainer-fsdp" in runs and runs != ["trainer-fsdp"]:
-        ap.error("trainer-fsdp runs alone, under torchrun")
+    if any(r in DISTRIBUTED for r in runs) and not all(r in DISTRIBUTED for r in runs):
+        ap.error("%s run under torchrun, without the one-process runs" % " and ".join(DISTRIBUTED))
     import transformers
     import accelerate
     workdir = args.workdir or tempfile.mkdtemp(prefix="halfstep-frameworks-")
@@ -291,7 +310,7 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
-    if "trainer-fsdp" in runs:
+    if any(r in DISTRIBUTED for r in runs):
         import torch.distributed as dist
         dist.destroy_process_group()
     if args.check and not ok:

@@ -13,9 +13,10 @@ import sys
 
 TITLES = {"trainer": "Hugging Face Trainer, bf16 autocast (GPT-2 shape)",
           "accelerate": "accelerate's loop, bf16 autocast (Llama shape)",
+          "trainer-ddp": "Trainer on %s ranks, DDP (GPT-2 shape)",
           "trainer-fsdp": "Trainer on FSDP2 shards, %s ranks (Llama shape)",
           "gradscaler": "fp16 autocast with a GradScaler (GPT-2 shape)"}
-ORDER = ("trainer", "accelerate", "trainer-fsdp", "gradscaler")
+ORDER = ("trainer", "accelerate", "trainer-fsdp", "gradscaler")  # what the README's figure shows
 
 
 def load(paths):
