@@ -150,11 +150,20 @@ class FusedAdamW(torch.optim.Optimizer):
     process_group: a torch.distributed group whose ranks take one step together: they all-reduce
         the step's totals record, so every rank takes the same decision with the same global norm
         (bitwise the one process would compute) and holds the same report. The gradients must
-        already be reduced across the ranks (DistributedDataParallel, or your own all-reduce).
-    shard: with a process_group, True (the default) shards the optimizer state (ZeRO-1): each rank
-        keeps the masters and moments of a 1/world chunk of the flat parameter space (cut
-        anywhere), updates that chunk, and the new parameters are all-gathered. False keeps all of
-        the state on every rank (plain data parallelism).
+        already be reduced across the ranks (DistributedDataParallel, or your own all-reduce). A
+        rank whose own checks refuse its step() takes part without its gradients (every rank
+        skips that step: reason rank_refused), then raises.
+    shard: with a process_group over plain tensors, True (the default) shards the optimizer state
+        (ZeRO-1): each rank keeps the masters and moments of a 1/world chunk of the flat parameter
+        space (cut anywhere), updates that chunk, and the new parameters are all-gathered. False
+        keeps all of the state on every rank (plain data parallelism).
+
+    DTensor parameters (FSDP2's fully_shard; all of one device mesh): each rank steps its local
+    shards in place, the record is all-reduced over the mesh's ranks (process_group, if given,
+    must be exactly those), an element on a Replicate() dimension counts in the norm once, and
+    state_dict() holds DTensors for torch.distributed.checkpoint. shard=True is refused there.
+    Before its first step the optimizer follows its parameters: replaced in param_groups one for
+    one (accelerate's FSDP2 preparation) or moved to other storage, it is rebuilt over them.
     """
 
     # torch.amp.GradScaler.step calls step() directly, with the optimizer's `grad_scale` (its
