@@ -112,8 +112,8 @@ def _listed(params):
                         + torch.typename(params))
     out = []
     for g in params:
-        if isinstance(g, dict) and "params" in g and not isinstance(g["params"], torch.Tensor):
-            g = {**g, "params": list(g["params"])}
+        if isinstance(g, dict) and "params" in g:
+            g = {**g, "params": [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])}
         out.append(g)
     return out
 
