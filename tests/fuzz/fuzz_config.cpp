@@ -110,7 +110,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (!config_ok) return 0;
 
   // Real buffers: up to four small tensors, contents from the input, three reference steps.
-  halfstep_fuzz::Model model;
+  halfstep_fuzz::Model model(c.grad_dtype);
   const std::size_t n_tensors = 1 + in.take<std::uint8_t>() % 4;
   for (std::size_t t = 0; t < n_tensors; ++t) {
     model.add(1 + in.take<std::uint8_t>() % 24, static_cast<std::int32_t>(t % c.groups.size()), in.flag());
@@ -120,8 +120,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   OptimizerState state = OptimizerState::initial(c);
   for (int k = 0; k < 3; ++k) {
-    for (auto& g : model.grad) {
-      for (auto& x : g) x = in.take<std::uint16_t>();
+    for (std::size_t t = 0; t < model.grad.size(); ++t) {
+      for (std::size_t i = 0; i < model.master[t].size(); ++i) {
+        model.set_grad(t, i, model.grad_bytes == 4 ? in.take<std::uint32_t>() : in.take<std::uint16_t>());
+      }
     }
     const halfstep_fuzz::Model before = model;
     StepReport r{};

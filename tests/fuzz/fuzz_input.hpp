@@ -40,21 +40,32 @@ class Input {
   std::abort();
 }
 
-/// A few small tensors in host memory.
+/// A few small tensors in host memory, with gradients of the format the step reads (16 or 32 bits).
 struct Model {
   std::vector<std::vector<float>> master, m, v;
-  std::vector<std::vector<std::uint16_t>> grad, model;
+  std::vector<std::vector<std::uint8_t>> grad;  // each element's bits, little-endian
+  std::vector<std::vector<std::uint16_t>> model;
   std::vector<std::int32_t> group;
   std::vector<bool> with_model;
+  std::size_t grad_bytes = 2;
+
+  explicit Model(halfstep::DType grad_dtype = halfstep::DType::f16)
+      : grad_bytes(grad_dtype == halfstep::DType::f32 ? 4 : 2) {}
 
   void add(std::size_t n, std::int32_t g, bool copy) {
     master.emplace_back(n, 0.5f);
     m.emplace_back(n, 0.0f);
     v.emplace_back(n, 0.0f);
-    grad.emplace_back(n, std::uint16_t{0x3C00});
+    grad.emplace_back(n * grad_bytes, std::uint8_t{0});
+    for (std::size_t i = 0; i < n; ++i) set_grad(grad.size() - 1, i, 0x3C00u);
     model.emplace_back(n, std::uint16_t{0});
     group.push_back(g);
     with_model.push_back(copy);
+  }
+  /// Element i of tensor t's gradient: the low 16 bits of `bits` for a 16-bit format, all 32
+  /// for fp32.
+  void set_grad(std::size_t t, std::size_t i, std::uint32_t bits) {
+    for (std::size_t b = 0; b < grad_bytes; ++b) grad[t][i * grad_bytes + b] = static_cast<std::uint8_t>(bits >> (8 * b));
   }
   std::vector<halfstep::ParamTensor> views() {
     std::vector<halfstep::ParamTensor> out;
