@@ -38,19 +38,21 @@ if ! "$root/.venv/bin/python" -c "import scikit_build_core" >/dev/null 2>&1; the
 fi
 # A current PyTorch from PyPI (a CUDA build, about 5 GB, which also runs on the CPU), for the
 # Python package's tests next to Debian's 1.13: users run 2.x, and 2.x brings its own NCCL.
-# Pinned to the release the suite was last run against; it lives in a cache directory outside
-# the clone, so a machine downloads it once. HALFSTEP_TORCH_VENV moves it.
-torch_venv=${HALFSTEP_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/halfstep/torch-2.13}
-if ! "$torch_venv/bin/python" -c "import torch, numpy, pytest; assert torch.__version__.startswith('2.13.0')" \
+# Pinned to the release the suite was last run against (2.15.0, the newest on PyPI then; 2.13.0
+# passed too); it lives in a cache directory outside the clone, so a machine downloads it once.
+# HALFSTEP_TORCH_VENV moves it.
+torch_venv=${HALFSTEP_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/halfstep/torch-2.15}
+if ! "$torch_venv/bin/python" -c "import torch, numpy, pytest; assert torch.__version__.startswith('2.15.0')" \
      >/dev/null 2>&1; then
-  echo "installing PyTorch 2.13.0 from PyPI into $torch_venv"
+  echo "installing PyTorch 2.15.0 from PyPI into $torch_venv"
   mkdir -p "$(dirname "$torch_venv")"
   /usr/bin/python3 -m venv "$torch_venv"
-  "$torch_venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0 numpy pytest
+  "$torch_venv/bin/pip" install -q --disable-pip-version-check torch==2.15.0 numpy pytest
 fi
 # Hugging Face transformers and accelerate (PyPI, pinned) in the same environment: the side-by-side
 # runs of halfstep inside Trainer and accelerate's loop (examples/torch/frameworks.py). Their
 # models are built from small configurations with random weights: nothing is downloaded at run time.
+# (An environment made by an earlier version of this script, with torch 2.13, is left alone.)
 if ! "$torch_venv/bin/python" -c "import transformers, accelerate; assert transformers.__version__ == '5.24.0' \
      and accelerate.__version__ == '1.15.0'" >/dev/null 2>&1; then
   echo "installing transformers 5.24.0 and accelerate 1.15.0 from PyPI into $torch_venv"
