@@ -310,11 +310,17 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
+    status = 1 if args.check and not ok else 0
     if any(r in DISTRIBUTED for r in runs):
         import torch.distributed as dist
         dist.destroy_process_group()
-    if args.check and not ok:
-        sys.exit(1)
+        # PyTorch 2.15's gloo can abort a rank while the interpreter finalizes (a worker thread
+        # freeing a finished collective's tensors asks for the GIL too late: "terminate called
+        # without an active exception"); everything is written, so the rank leaves without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from halfstep.torch import FusedAdamW
 
-from helpers import fresh_params, scaled_grads
+from helpers import fresh_params, leave_process_group, scaled_grads
 
 SHAPES = [(7, 5), (33,), (4, 4, 3), (1,)]
 STEPS = 12
@@ -140,7 +140,7 @@ def main():
                                refuse=4 if mode == "refuse" and rank == 1 else None, refusals=out["refusals"])
         out.update(params=[p.detach() for p in params], scaler=opt.scaler_state(), applied=int(opt.applied_steps))
     torch.save(out, sys.argv[6])
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from halfstep.torch import FusedAdamW
 
+from helpers import leave_process_group
+
 EXACT_STEPS = 6
 INF_STEP = 3
 INF_PARAM = 2
@@ -189,7 +191,7 @@ def main():
     else:
         ddp(rank, world, out)
     torch.save(out, out_file)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

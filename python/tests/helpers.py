@@ -4,11 +4,30 @@ The tests run against the package in python/ with the library named by HALFSTEP_
 sets both), or against an installed package (pip install .)."""
 
 import math
-
+import os
+import sys
 
 import torch
 
 U = 2.0 ** -24  # fp32's unit roundoff
+
+
+def leave_process_group():
+    """Ends a worker process of the distributed tests, its results already written.
+
+    PyTorch 2.15's gloo can abort a process at exit ("terminate called without an active
+    exception", SIGABRT) after the script's last line: a gloo worker thread that drops the last
+    reference to a finished collective's tensors needs the GIL to free their Python objects, and
+    a thread that asks for the GIL while the interpreter finalizes is ended by pthread_exit, whose
+    unwinding through the work's noexcept destructor calls std::terminate. Seen in about 2% of
+    two-process exits on a loaded 2-core machine (core dumps: ~AsyncAllgatherWork in
+    ProcessGroupGloo::runLoop during Py_FinalizeEx), with or without destroy_process_group. The
+    workers leave without finalizing the interpreter, so the exit status is the tests' own."""
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def fresh_params(shapes, dtype, seed, device="cpu", scale=0.5):
