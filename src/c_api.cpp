@@ -184,39 +184,38 @@ halfstep_status halfstep_create_distributed(const halfstep_tensor* tensors, int6
 
 void halfstep_destroy(halfstep_optimizer* opt) { delete opt; }
 
-halfstep_status halfstep_step(halfstep_optimizer* opt, void* stream) {
+namespace {
+
+// The calls that run one of FusedAdamW's stream-ordered members and take nothing else.
+using StreamMember = void (halfstep::FusedAdamW::*)(halfstep::Stream);
+
+halfstep_status on_stream(halfstep_optimizer* opt, void* stream, StreamMember member) {
   return guarded([&] {
     require(opt != nullptr, "opt must not be NULL");
-    opt->opt.step(static_cast<halfstep::Stream>(stream));
+    (opt->opt.*member)(static_cast<halfstep::Stream>(stream));
   });
+}
+
+}  // namespace
+
+halfstep_status halfstep_step(halfstep_optimizer* opt, void* stream) {
+  return on_stream(opt, stream, &halfstep::FusedAdamW::step);
 }
 
 halfstep_status halfstep_step_local(halfstep_optimizer* opt, void* stream) {
-  return guarded([&] {
-    require(opt != nullptr, "opt must not be NULL");
-    opt->opt.step_local(static_cast<halfstep::Stream>(stream));
-  });
+  return on_stream(opt, stream, &halfstep::FusedAdamW::step_local);
 }
 
 halfstep_status halfstep_step_finish(halfstep_optimizer* opt, void* stream) {
-  return guarded([&] {
-    require(opt != nullptr, "opt must not be NULL");
-    opt->opt.step_finish(static_cast<halfstep::Stream>(stream));
-  });
+  return on_stream(opt, stream, &halfstep::FusedAdamW::step_finish);
 }
 
 halfstep_status halfstep_step_local_refused(halfstep_optimizer* opt, void* stream) {
-  return guarded([&] {
-    require(opt != nullptr, "opt must not be NULL");
-    opt->opt.step_local_refused(static_cast<halfstep::Stream>(stream));
-  });
+  return on_stream(opt, stream, &halfstep::FusedAdamW::step_local_refused);
 }
 
 halfstep_status halfstep_step_refused(halfstep_optimizer* opt, void* stream) {
-  return guarded([&] {
-    require(opt != nullptr, "opt must not be NULL");
-    opt->opt.step_refused(static_cast<halfstep::Stream>(stream));
-  });
+  return on_stream(opt, stream, &halfstep::FusedAdamW::step_refused);
 }
 
 uint64_t* halfstep_device_totals(halfstep_optimizer* opt) {
@@ -298,10 +297,7 @@ halfstep_status halfstep_set_gradients(halfstep_optimizer* opt, const void* cons
 }
 
 halfstep_status halfstep_mark_unscaled(halfstep_optimizer* opt, void* stream) {
-  return guarded([&] {
-    require(opt != nullptr, "opt must not be NULL");
-    opt->opt.mark_unscaled(static_cast<halfstep::Stream>(stream));
-  });
+  return on_stream(opt, stream, &halfstep::FusedAdamW::mark_unscaled);
 }
 
 halfstep_status halfstep_set_loss_scale(halfstep_optimizer* opt, float scale, void* stream) {

@@ -5,11 +5,35 @@ sets both), or against an installed package (pip install .)."""
 
 import math
 import os
+import subprocess
 import sys
 
 import torch
 
 U = 2.0 ** -24  # fp32's unit roundoff
+
+
+def run_workers(script, argvs, timeout):
+    """Runs one process of the worker script per argument list (one per rank) and waits for all;
+    fails the test if one hangs (all are killed) or exits with an error, showing its output."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, script)] + [str(a) for a in argv],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for argv in argvs]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a rank hung: " + "\n".join(logs))
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, "rank %d of %d failed:\n%s" % (rank, len(procs), logs[rank])
+
+
+def without(report, *keys):
+    """A report without the named keys, NaN written as "nan" so that reports compare with ==."""
+    return {k: ("nan" if v != v else v) for k, v in report.items() if k not in keys}
 
 
 def leave_process_group():

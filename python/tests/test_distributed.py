@@ -1,9 +1,5 @@
 """FusedAdamW with a process_group: 2 and 3 processes on gloo (CPU), sharded and replicated."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -12,34 +8,14 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 import dist_worker as W  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
+from helpers import run_workers, without  # noqa: E402
 
 def launch(world, shard, dtype, tmp_path, mode="train"):
     init = tmp_path / "init"
-    procs, outs = [], []
-    for rank in range(world):
-        out = tmp_path / ("rank%d.pt" % rank)
-        outs.append(out)
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dist_worker.py"), str(rank), str(world),
-                                       "1" if shard else "0", dtype, str(init), str(out), mode],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung: " + "\n".join(logs))
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, "rank %d failed:\n%s" % (rank, logs[rank])
+    outs = [tmp_path / ("rank%d.pt" % rank) for rank in range(world)]
+    run_workers("dist_worker.py", [[rank, world, "1" if shard else "0", dtype, init, outs[rank], mode]
+                                   for rank in range(world)], timeout=120)
     return [torch.load(o) for o in outs]
-
-
-def without(report, *keys):
-    return {k: ("nan" if v != v else v) for k, v in report.items() if k not in keys}
 
 
 @pytest.mark.parametrize("world", [2, 3])

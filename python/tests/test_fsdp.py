@@ -8,9 +8,6 @@ ranks' reports and weights are one process's, bit for bit; the exact global norm
 independent of how the parameters are cut."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -20,8 +17,7 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 import fsdp_worker as W  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from helpers import run_workers, without  # noqa: E402
 
 try:
     from torch.distributed.fsdp import fully_shard  # noqa: F401 (PyTorch >= 2.6)
@@ -33,28 +29,10 @@ needs_fsdp2 = pytest.mark.skipif(not HAS_FSDP2, reason="FSDP2 (torch.distributed
 
 def launch(world, mode, work, *args):
     init = work / ("init-%s-%d" % (mode, world))
-    procs, outs = [], []
-    for rank in range(world):
-        out = work / ("%s-%d-of-%d.pt" % (mode, rank, world))
-        outs.append(out)
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "fsdp_worker.py"), str(rank), str(world),
-                                       str(init), str(out), mode] + [str(a) for a in args],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung: " + "\n".join(logs))
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, "rank %d of %d failed:\n%s" % (rank, world, logs[rank])
+    outs = [work / ("%s-%d-of-%d.pt" % (mode, rank, world)) for rank in range(world)]
+    run_workers("fsdp_worker.py", [[rank, world, init, outs[rank], mode] + list(args) for rank in range(world)],
+                timeout=300)
     return [torch.load(o, weights_only=False) for o in outs]
-
-
-def without(report, *keys):
-    return {k: ("nan" if v != v else v) for k, v in report.items() if k not in keys}
 
 
 def same_reports(a, b):
