@@ -473,6 +473,12 @@ class FusedAdamW(torch.optim.Optimizer):
                     raise
             self._rebuild()
 
+    def _groups_as_built(self):
+        """Whether param_groups holds the very parameters this optimizer was built over, group by group."""
+        return len(self.param_groups) == len(self._group_params) and all(
+            len(g["params"]) == len(built) and all(map(_operator.is_, g["params"], built))
+            for g, built in zip(self.param_groups, self._group_params))
+
     def _follow_replaced_params(self):
         """Before the first step the optimizer follows its parameters: parameters that
         param_groups holds in place of those it was built with, one for one with the same global
@@ -483,9 +489,7 @@ class FusedAdamW(torch.optim.Optimizer):
         if self._stepped:
             return
         groups = self.param_groups
-        same = len(groups) == len(self._group_params) and all(
-            len(g["params"]) == len(built) and all(map(_operator.is_, g["params"], built))
-            for g, built in zip(groups, self._group_params))
+        same = self._groups_as_built()
         if same and self._current_layout() == self._layout:
             return
         if len(groups) != len(self._group_params) or any(len(g["params"]) != len(b)
@@ -697,9 +701,7 @@ class FusedAdamW(torch.optim.Optimizer):
     def _prepare(self):
         """Everything step() checks and pushes before the library runs; raises before anything
         changed. Returns the stream."""
-        if len(self.param_groups) != len(self._group_params) or not all(
-                len(g["params"]) == len(built) and all(map(_operator.is_, g["params"], built))
-                for g, built in zip(self.param_groups, self._group_params)):
+        if not self._groups_as_built():
             self._refuse_changed_groups()
         if self._current_layout() != self._layout:
             self._refuse_moved_storage()
