@@ -72,7 +72,8 @@ __device__ void reduce_partials(const FinalizeArgs& a) {
   r.max[0] = max_bits;
   // Chunks are ordered by tensor, so the first bad chunk belongs to the first bad tensor.
   r.max[1] = first_bad == kNone ? 0 : first_bad_key(a.rank, a.chunks[first_bad].tensor);
-  set_fingerprint(r, hyperparameter_fingerprint(a.params, a.lr, a.n_groups, a.decide.max_grad_norm));
+  set_fingerprint(r, hyperparameter_fingerprint(a.params, a.lr, a.n_groups, a.decide.max_grad_norm,
+                                                a.inputs->scale, a.state->scaler.scale));
   *a.totals = r;
 }
 
@@ -85,8 +86,8 @@ __device__ void decide_step(const FinalizeArgs& a) {
     OptimizerState state = *a.state;
     StepReport report{};
     Decision decision{};
-    decide(t, state, a.decide, a.params, a.lr, a.n_groups, a.inputs->unscaled != 0, report, decision);
-    a.inputs->unscaled = 0;  // it held for this step only
+    decide(t, state, a.decide, a.params, a.lr, a.n_groups, a.inputs->scale, report, decision);
+    a.inputs->scale = ScaleInputs{};  // it held for this step only
     *a.state = state;
     *a.report = report;
     *a.decision = decision;
@@ -117,7 +118,15 @@ __global__ void store_group_kernel(GroupParams* where, GroupParams value, float*
   *lr_where = lr;
 }
 
-__global__ void mark_unscaled_kernel(StepInputs* inputs) { inputs->unscaled = 1; }
+__global__ void mark_unscaled_kernel(StepInputs* inputs) { inputs->scale.unscaled = 1; }
+
+__global__ void external_scale_kernel(StepInputs* inputs, const float* scale, const float* found_inf) {
+  ScaleInputs& in = inputs->scale;
+  in.external = 1;
+  in.external_scale = scale != nullptr ? *scale : 1.0f;
+  if (scale == nullptr) in.unscaled = 1;
+  in.found_inf = found_inf != nullptr ? *found_inf : 0.0f;
+}
 
 __global__ void set_grads_kernel(TensorDesc* tensors, StepInputs* inputs, const GradBatch b) {
   for (int i = static_cast<int>(threadIdx.x); i < b.count; i += static_cast<int>(blockDim.x)) {
@@ -149,6 +158,11 @@ void launch_store_group(GroupParams* where, const GroupParams& value, float* lr_
 
 void launch_mark_unscaled(StepInputs* inputs, cudaStream_t stream) {
   HALFSTEP_LAUNCH(1, 1, 0, stream, mark_unscaled_kernel)(inputs);
+  HALFSTEP_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_external_scale(StepInputs* inputs, const float* scale, const float* found_inf, cudaStream_t stream) {
+  HALFSTEP_LAUNCH(1, 1, 0, stream, external_scale_kernel)(inputs, scale, found_inf);
   HALFSTEP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -41,7 +41,7 @@ struct FinalizeArgs {
   std::uint32_t* window_hint;      // read by the reduce stage, updated by the decide stage
   unsigned long long* spill;
   StepTotals* totals;              // written by the reduce stage, read by the decide stage
-  StepInputs* inputs;              // the step's numel (reduce) and unscaled flag (decide clears it)
+  StepInputs* inputs;              // the step's numel (reduce) and scale inputs (decide clears them)
   std::int32_t rank;               // this rank in the record's first-inf/NaN key
   DType grad_dtype;
   OptimizerState* state;
@@ -83,6 +83,11 @@ void launch_store_group(GroupParams* where, const GroupParams& value, float* lr_
 
 /// Marks the next step's gradients as already unscaled (StepInputs::unscaled), ordered on `stream`.
 void launch_mark_unscaled(StepInputs* inputs, cudaStream_t stream);
+
+/// The next step's gradients were scaled by *scale (null: they are already unscaled), a scale
+/// another scaler owns, whose own check found an inf/NaN where *found_inf is nonzero (null: no
+/// check): both read when the launch runs, into StepInputs::scale, ordered on `stream`.
+void launch_external_scale(StepInputs* inputs, const float* scale, const float* found_inf, cudaStream_t stream);
 
 /// Writes a batch of gradient pointers into the tensor table and the step's numel, ordered on
 /// `stream` (the pointers travel as kernel arguments: no staging memory, no synchronisation).

@@ -51,13 +51,23 @@ HALFSTEP_HD inline std::uint64_t fingerprint_add(std::uint64_t h, std::uint64_t 
   return z ^ (z >> 31);
 }
 
-/// The fingerprint of the hyperparameters a rank steps with, for the record's max[2] and max[3]:
-/// every group's learning rate as the step reads it and its fixed values, and max_grad_norm.
-/// Ranks that must take the same step compare it through the all-reduce.
+/// The scale the gradients of this step are divided by: the optimizer's own (`own`), or an
+/// external scaler's; 1 for gradients already unscaled.
+HALFSTEP_HD inline float step_scale(const ScaleInputs& in, float own) { return in.external ? in.external_scale : own; }
+
+/// The fingerprint of what a rank steps with, for the record's max[2] and max[3]: every group's
+/// learning rate as the step reads it and its fixed values, max_grad_norm, and how the gradients
+/// are unscaled — the loss scale (`own`, or the external one), whether they came unscaled, and
+/// whether an external scaler found an inf/NaN. Ranks that must take the same step compare it
+/// through the all-reduce: a rank with another rate or another loss scale makes every rank skip.
 HALFSTEP_HD inline std::uint64_t hyperparameter_fingerprint(const GroupParams* groups, const float* lr,
-                                                            std::int32_t n_groups, float max_grad_norm) {
+                                                            std::int32_t n_groups, float max_grad_norm,
+                                                            const ScaleInputs& in, float own) {
   std::uint64_t h = fingerprint_add(0, static_cast<std::uint64_t>(n_groups));
   h = fingerprint_add(h, double_bits(static_cast<double>(max_grad_norm)));
+  h = fingerprint_add(h, double_bits(static_cast<double>(step_scale(in, own))));
+  h = fingerprint_add(h, static_cast<std::uint64_t>(in.unscaled != 0) | static_cast<std::uint64_t>(in.external != 0) << 1 |
+                             static_cast<std::uint64_t>(in.found_inf != 0.0f) << 2);
   for (std::int32_t i = 0; i < n_groups; ++i) {
     const GroupParams& g = groups[i];
     h = fingerprint_add(h, double_bits(static_cast<double>(lr[i])));
@@ -226,13 +236,17 @@ HALFSTEP_HD inline SkipReason range_check(double g_max, const GroupParams* group
 
 /// Turns one step's totals into the outcome, the report, the decision for pass 2 and the next
 /// state. `groups` and `lr` (the learning rates as they are now, in device memory on the device)
-/// hold `n_groups` entries. `unscaled`: the gradients were already divided by the loss scale
-/// (mark_unscaled), so they are unscaled by 1, and the headroom is that of the gradients times the
-/// scale. Every field of `report` is written here (held_elements = 0; pass 2 adds to it).
+/// hold `n_groups` entries. `in` says how the gradients were scaled: by the optimizer's own scale,
+/// or by an external scaler's (whose found_inf skips the step, and whose scale the optimizer's
+/// own scaler leaves alone); unscaled: already divided by the scale, so they are unscaled by 1,
+/// and the headroom is that of the gradients times the scale. Every field of `report` is written
+/// here (held_elements = 0; pass 2 adds to it).
 HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, const DecideParams& p,
-                               const GroupParams* groups, const float* lr, std::int32_t n_groups, bool unscaled,
-                               StepReport& report, Decision& decision) {
-  const float scale = state.scaler.scale;
+                               const GroupParams* groups, const float* lr, std::int32_t n_groups,
+                               const ScaleInputs& in, StepReport& report, Decision& decision) {
+  const bool unscaled = in.unscaled != 0;
+  const bool own_scaler = p.device_scaler && in.external == 0;  // the optimizer's scaler moves
+  const float scale = step_scale(in, state.scaler.scale);
   const double divisor = unscaled ? 1.0 : static_cast<double>(scale);  // what unscales the gradients
   state.attempts = count_up(state.attempts);
   report.attempt = state.attempts;
@@ -261,10 +275,18 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
     report.reason = inconsistent_reason(totals);
     report.grad_norm = NAN;
     report.clip_coef = NAN;
-  } else if (totals.nonfinite > 0) {  // overflow: nothing may be written; the scaler backs off
-    if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, true);
+  } else if (totals.nonfinite > 0 || in.found_inf != 0.0f) {
+    // Overflow (ours, or the external scaler's check): nothing may be written; the scaler backs off.
+    if (own_scaler) state.scaler = next_state(state.scaler, p.scaler, true);
     report.outcome = Outcome::skipped_overflow;
-    report.reason = SkipReason::nonfinite_gradient;
+    report.reason = totals.nonfinite > 0 ? SkipReason::nonfinite_gradient : SkipReason::external_found_inf;
+    report.grad_norm = NAN;
+    report.clip_coef = NAN;
+  } else if (!(scale > 0.0f && scale <= 3.40282347e38f)) {
+    // An external scale that is not a finite positive number (only the optimizer's own is
+    // checked where it is set): no gradient can be unscaled by it.
+    report.outcome = Outcome::skipped_nonfinite_update;
+    report.reason = SkipReason::invalid_loss_scale;
     report.grad_norm = NAN;
     report.clip_coef = NAN;
   } else {
@@ -294,7 +316,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
         report.reason = SkipReason::spike;
       } else {
         state.step = count_up(state.step);
-        if (p.device_scaler) state.scaler = next_state(state.scaler, p.scaler, false, report.headroom_log2);
+        if (own_scaler) state.scaler = next_state(state.scaler, p.scaler, false, report.headroom_log2);
         report.outcome = Outcome::applied;
         decision.apply = 1;
         set_coefficient(decision, factor);
@@ -302,7 +324,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
     }
   }
   report.step = state.step;
-  report.scale_next = state.scaler.scale;
+  report.scale_next = in.external ? scale : state.scaler.scale;  // an external scaler moves its own
 }
 
 /// The constants of a group for applied step `t` (>= 1), in double, rounded once to fp32.

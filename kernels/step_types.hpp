@@ -47,11 +47,22 @@ struct ChunkDesc {
   std::int32_t len;
 };
 
-/// What a step reads besides the tables, which set_gradients and mark_unscaled write on the stream.
+/// How the next step's gradients were scaled, where that is not simply the optimizer's own loss
+/// scale: mark_unscaled and use_external_scale set it, and it holds for one step (the decision
+/// clears it). Zero: scaled by the optimizer's own scale.
+struct ScaleInputs {
+  std::int32_t unscaled;   // 1: already divided by the scale: divide by 1
+  std::int32_t external;   // 1: scaled by external_scale, a scale another scaler owns; the
+                           // optimizer's own scaler does not move
+  float external_scale;    // the external scale (1 with unscaled gradients of an external scaler)
+  float found_inf;         // the external scaler's own inf/NaN check: nonzero (or NaN) skips
+};
+
+/// What a step reads besides the tables, which set_gradients, mark_unscaled and
+/// use_external_scale write on the stream.
 struct StepInputs {
   std::int64_t numel;      // elements of this rank's tensors in the norm that have a gradient
-  std::int32_t unscaled;   // 1: the gradients are already divided by the loss scale (one step)
-  std::int32_t pad_;
+  ScaleInputs scale;
 };
 
 /// Gradient pointers per set_grads launch (its arguments stay below 4 KiB).

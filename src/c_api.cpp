@@ -300,6 +300,14 @@ halfstep_status halfstep_mark_unscaled(halfstep_optimizer* opt, void* stream) {
   return on_stream(opt, stream, &halfstep::FusedAdamW::mark_unscaled);
 }
 
+halfstep_status halfstep_use_external_scale(halfstep_optimizer* opt, const float* scale, const float* found_inf,
+                                            void* stream) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.use_external_scale(scale, found_inf, static_cast<halfstep::Stream>(stream));
+  });
+}
+
 halfstep_status halfstep_set_loss_scale(halfstep_optimizer* opt, float scale, void* stream) {
   return guarded([&] {
     require(opt != nullptr, "opt must not be NULL");
@@ -488,7 +496,7 @@ const char* halfstep_outcome_name(int32_t outcome) {
 }
 
 const char* halfstep_reason_name(int32_t reason) {
-  if (reason < 0 || reason > static_cast<int32_t>(halfstep::SkipReason::rank_refused)) return "unknown";
+  if (reason < 0 || reason > static_cast<int32_t>(halfstep::SkipReason::invalid_loss_scale)) return "unknown";
   return halfstep::skip_reason_name(static_cast<halfstep::SkipReason>(reason));
 }
 

@@ -372,7 +372,9 @@ SavedState load_state(std::string_view bytes, const StepConfig& config) {
     visit_group(group, a.groups[g], b.groups[g]);
   }
   try {
-    validate_state(saved.state, config);
+    StepConfig restored = config;  // with the groups' values the checkpoint restores
+    restored.groups = saved.config.groups;
+    validate_state(saved.state, restored);
   } catch (const Error& e) {
     throw Error(ErrorKind::corrupt_state,
                 std::string("halfstep state checkpoint does not fit this StepConfig: ") + e.what());

@@ -225,6 +225,11 @@ class CudaImpl final : public FusedAdamW::Impl {
 
   void mark_unscaled(Stream stream) override { launch_mark_unscaled(ws_.inputs, stream); }
 
+  void use_external_scale(const float* scale, const float* found_inf, Stream stream) override {
+    launch_external_scale(ws_.inputs, scale, found_inf, stream);
+    external_pending_ = true;  // a host-driven step leaves the host's scaler alone too
+  }
+
   void set_loss_scale(float scale, Stream stream) override {
     if (config_.host_driven) {
       ScalerState s = scaler_.state();
@@ -304,7 +309,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     upload(ws_.tensors, table.tensors.data(), n_tensors_);
     upload(ws_.chunks, table.chunks.data(), table.chunks.size());
     upload_groups();
-    const StepInputs inputs{table.numel_in_norm, 0, 0};
+    const StepInputs inputs{table.numel_in_norm, ScaleInputs{}};
     upload(ws_.inputs, &inputs, 1);
     write_state(OptimizerState::initial(config_));
     const std::uint32_t hint = initial_window_hint(config_);
@@ -378,6 +383,8 @@ class CudaImpl final : public FusedAdamW::Impl {
   // After the decision: pass 2 and the report (device-resident), or the host's scaler and pass 2
   // only when the step is applied (host-driven: one synchronisation).
   void end_step(Stream stream, bool capturing) {
+    const bool external = external_pending_;
+    external_pending_ = false;
     if (!config_.host_driven) {
       launch_apply(apply_, stream);
       HALFSTEP_CUDA_CHECK(cudaMemcpyAsync(h_report_, ws_.report, sizeof(StepReport),
@@ -393,7 +400,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     StepReport report = *h_report_;
     // The scaler moves on applied and overflow steps only: a spike or a non-finite update says
     // nothing about the loss scale.
-    if (report.outcome == Outcome::applied || report.outcome == Outcome::skipped_overflow) {
+    if (!external && (report.outcome == Outcome::applied || report.outcome == Outcome::skipped_overflow)) {
       scaler_.update(report.outcome == Outcome::skipped_overflow, report.headroom_log2);
     }
     *h_scaler_ = scaler_.state();  // the device's copy feeds the next backward pass
@@ -406,7 +413,7 @@ class CudaImpl final : public FusedAdamW::Impl {
                                           cudaMemcpyDeviceToHost, stream));
     }
     record_done(stream, false);
-    report.scale_next = scaler_.scale();
+    if (!external) report.scale_next = scaler_.scale();
     host_report_ = report;
     has_step_ = true;
   }
@@ -463,6 +470,7 @@ class CudaImpl final : public FusedAdamW::Impl {
   ApplyArgs apply_{};
   bool has_step_ = false;
   bool local_pending_ = false;  // step_local ran; step_finish has not
+  bool external_pending_ = false;  // use_external_scale ran for the next step
   std::int64_t attempts_ = 0;  // the state's attempts plus the eager steps enqueued since (a graph
                                // replay is not counted here; the device saturates its counters)
 };

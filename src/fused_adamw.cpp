@@ -87,6 +87,10 @@ void FusedAdamW::set_gradients(const std::vector<const void*>& grads, Stream str
 
 void FusedAdamW::mark_unscaled(Stream stream) { impl().mark_unscaled(stream); }
 
+void FusedAdamW::use_external_scale(const float* scale, const float* found_inf, Stream stream) {
+  impl().use_external_scale(scale, found_inf, stream);
+}
+
 void FusedAdamW::set_loss_scale(float scale, Stream stream) {
   Impl& i = impl();
   const ScalerConfig& c = i.config().scaler;

@@ -68,6 +68,8 @@ struct FusedAdamW::Impl {
   virtual void set_gradients(const std::vector<const void*>& grads, Stream stream) = 0;
   /// The next step's gradients are already unscaled.
   virtual void mark_unscaled(Stream stream) = 0;
+  /// The next step's gradients were scaled by another scaler's scale (FusedAdamW::use_external_scale).
+  virtual void use_external_scale(const float* scale, const float* found_inf, Stream stream) = 0;
   /// The loss scale from the next step on (checked by FusedAdamW::set_loss_scale).
   virtual void set_loss_scale(float scale, Stream stream) = 0;
 

@@ -259,6 +259,12 @@ double reference_sum_of_squares(const StepTotals& totals) {
 
 StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                              std::int32_t rank, std::vector<std::int64_t>* nonfinite_per_tensor) {
+  return reference_measure(tensors, config, rank, nonfinite_per_tensor, ScaleInputs{}, config.scaler.init_scale);
+}
+
+StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+                             std::int32_t rank, std::vector<std::int64_t>* nonfinite_per_tensor,
+                             const ScaleInputs& scale, float own_scale) {
   if (nonfinite_per_tensor) nonfinite_per_tensor->assign(tensors.size(), 0);
   SquareSum squares;
   std::uint64_t nonfinite = 0, subnormal = 0, zero = 0, numel = 0;
@@ -315,16 +321,20 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
   }
   detail::set_fingerprint(r, detail::hyperparameter_fingerprint(params.data(), lr.data(),
                                                                 static_cast<std::int32_t>(params.size()),
-                                                                config.max_grad_norm));
+                                                                config.max_grad_norm, scale, own_scale));
   return r;
 }
 
 StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepConfig& config,
-                            OptimizerState& state, const StepTotals& totals, bool unscaled) {
+                            OptimizerState& state, const StepTotals& totals, const ScaleInputs& in) {
   StepReport r{};
   state.attempts = count_up(state.attempts);
   r.attempt = state.attempts;
-  r.scale_used = state.scaler.scale;
+  // The scale the gradients were computed with: the optimizer's own, whose scaler then moves, or
+  // an external scaler's, which moves its own.
+  const bool external = in.external != 0, unscaled = in.unscaled != 0;
+  const float scale = external ? in.external_scale : state.scaler.scale;
+  r.scale_used = scale;
   r.reason = SkipReason::none;
 
   // The record, decoded.
@@ -343,8 +353,8 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
   const double sum_sq = reference_sum_of_squares(totals);  // Σg² of the gradients, rounded once
   // Gradients already divided by the loss scale (mark_unscaled) were computed scaled: their
   // headroom is that of their values times the scale, and they are unscaled by 1.
-  const double S = unscaled ? 1.0 : state.scaler.scale;
-  const double scaled_max = unscaled ? max_abs * state.scaler.scale : max_abs;
+  const double S = unscaled ? 1.0 : scale;
+  const double scaled_max = unscaled ? max_abs * scale : max_abs;
   r.max_abs_scaled = static_cast<float>(scaled_max);
   r.headroom_log2 =
       scaled_max > 0.0
@@ -355,7 +365,7 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
     r.outcome = outcome;
     r.reason = reason;
     r.step = state.step;
-    r.scale_next = state.scaler.scale;
+    r.scale_next = external ? scale : state.scaler.scale;
     return r;
   };
   // The record's own rules, as the kernels check them (a record is a format, not step math):
@@ -366,11 +376,17 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
     r.clip_coef = std::numeric_limits<float>::quiet_NaN();
     return finish(Outcome::skipped_inconsistent, detail::inconsistent_reason(checked));
   }
-  if (r.nonfinite_count > 0) {  // overflow: nothing is written, the scaler backs off
-    state.scaler = next_state(state.scaler, config.scaler, true);
+  if (r.nonfinite_count > 0 || in.found_inf != 0.0f) {  // overflow: nothing is written, the scaler backs off
+    if (!external) state.scaler = next_state(state.scaler, config.scaler, true);
     r.grad_norm = std::numeric_limits<double>::quiet_NaN();
     r.clip_coef = std::numeric_limits<float>::quiet_NaN();
-    return finish(Outcome::skipped_overflow, SkipReason::nonfinite_gradient);
+    return finish(Outcome::skipped_overflow,
+                  r.nonfinite_count > 0 ? SkipReason::nonfinite_gradient : SkipReason::external_found_inf);
+  }
+  if (!(std::isfinite(scale) && scale > 0.0f)) {  // an external scale nothing can be unscaled by
+    r.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    r.clip_coef = std::numeric_limits<float>::quiet_NaN();
+    return finish(Outcome::skipped_nonfinite_update, SkipReason::invalid_loss_scale);
   }
 
   r.grad_norm = std::sqrt(sum_sq) / S;
@@ -394,7 +410,7 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
   for (const ParamTensor& p : tensors) {
     if (p.grad != nullptr) r.held_elements += apply_tensor(p, config, clip / S, state.step);  // no gradient: left alone
   }
-  state.scaler = next_state(state.scaler, config.scaler, false, r.headroom_log2);
+  if (!external) state.scaler = next_state(state.scaler, config.scaler, false, r.headroom_log2);
   return finish(Outcome::applied, SkipReason::none);
 }
 

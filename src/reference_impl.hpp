@@ -7,6 +7,7 @@
 
 #include "halfstep/distributed.hpp"
 #include "halfstep/step.hpp"
+#include "step_types.hpp"
 
 namespace halfstep::detail {
 
@@ -16,7 +17,12 @@ StepReport reference_step(const std::vector<ParamTensor>& tensors, const StepCon
                           OptimizerState& state, std::vector<std::int64_t>* nonfinite_per_tensor);
 
 /// The first half of reference_step: this rank's StepTotals record (the documented layout), and
-/// the inf/NaN count of each tensor. Reads the gradients only.
+/// the inf/NaN count of each tensor. Reads the gradients only. `scale` says how the gradients were
+/// scaled and `own_scale` is the optimizer's loss scale: the fingerprint covers them.
+StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const StepConfig& config,
+                             std::int32_t rank, std::vector<std::int64_t>* nonfinite_per_tensor,
+                             const ScaleInputs& scale, float own_scale);
+/// The same for gradients scaled by the initial loss scale of `config`.
 StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                              std::int32_t rank, std::vector<std::int64_t>* nonfinite_per_tensor);
 
@@ -25,8 +31,9 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
 double reference_sum_of_squares(const StepTotals& totals);
 
 /// The second half: decides from a record (this rank's, or one reduced over all ranks) and applies.
-/// `unscaled`: the gradients were already divided by the loss scale (FusedAdamW::mark_unscaled).
+/// `scale`: how the gradients were scaled, when not by the state's scale (FusedAdamW::mark_unscaled,
+/// FusedAdamW::use_external_scale).
 StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepConfig& config,
-                            OptimizerState& state, const StepTotals& totals, bool unscaled = false);
+                            OptimizerState& state, const StepTotals& totals, const ScaleInputs& scale = {});
 
 }  // namespace halfstep::detail

@@ -31,7 +31,7 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   }
   void step_local(Stream) override {
     begin_local("step_local");
-    totals_ = reference_measure(tensors_, config_, rank_, &nonfinite_);
+    totals_ = reference_measure(tensors_, config_, rank_, &nonfinite_, scale_, state_.scaler.scale);
     local_pending_ = true;
   }
   void step_local_refused(Stream) override {
@@ -49,8 +49,8 @@ class ReferenceImpl final : public FusedAdamW::Impl {
       throw Error(ErrorKind::usage, "step_finish: no step_local since the last step finished");
     }
     local_pending_ = false;
-    report_ = reference_finish(tensors_, config_, state_, totals_, unscaled_);
-    unscaled_ = false;
+    report_ = reference_finish(tensors_, config_, state_, totals_, scale_);
+    scale_ = ScaleInputs{};  // it held for this step only
     has_report_ = true;
   }
   StepTotals* device_totals() override { return &totals_; }
@@ -97,7 +97,13 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   void set_gradients(const std::vector<const void*>& grads, Stream) override {
     for (std::size_t t = 0; t < grads.size(); ++t) tensors_[t].grad = grads[t];
   }
-  void mark_unscaled(Stream) override { unscaled_ = true; }
+  void mark_unscaled(Stream) override { scale_.unscaled = 1; }
+  void use_external_scale(const float* scale, const float* found_inf, Stream) override {
+    scale_.external = 1;
+    scale_.external_scale = scale != nullptr ? *scale : 1.0f;
+    if (scale == nullptr) scale_.unscaled = 1;
+    scale_.found_inf = found_inf != nullptr ? *found_inf : 0.0f;
+  }
   void set_loss_scale(float scale, Stream) override { state_.scaler.scale = scale; }
   const StepConfig& config() const override { return config_; }
   const std::vector<ParamTensor>& tensors() const override { return tensors_; }
@@ -126,7 +132,7 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   StepTotals totals_{};
   std::vector<std::int64_t> nonfinite_;
   bool has_report_ = false;
-  bool unscaled_ = false;  // mark_unscaled: the next step's gradients are already unscaled
+  ScaleInputs scale_{};  // mark_unscaled, use_external_scale: how the next step's gradients were scaled
   bool local_pending_ = false;
 };
 

@@ -193,6 +193,8 @@ const char* skip_reason_name(SkipReason reason) {
     case SkipReason::inconsistent_totals: return "inconsistent_totals";
     case SkipReason::hyperparameters_differ: return "hyperparameters_differ";
     case SkipReason::rank_refused: return "rank_refused";
+    case SkipReason::external_found_inf: return "external_found_inf";
+    case SkipReason::invalid_loss_scale: return "invalid_loss_scale";
   }
   return "unknown";
 }
@@ -235,6 +237,11 @@ void validate_state(const OptimizerState& s, const StepConfig& config) {
           "SpikeState.var must be in [0, 1456^2], got ", s.spike.var);
   if (!config.spike.enabled) {
     require(s.spike == SpikeState{}, "SpikeState must be empty when SpikeConfig.enabled is false");
+  }
+  // A group joins a run at some applied step: it cannot have joined after the steps taken so far.
+  for (std::size_t g = 0; g < config.groups.size(); ++g) {
+    require(config.groups[g].step_offset <= s.step, "groups[", g, "].step_offset must be at most OptimizerState.step = ",
+            s.step, " (the applied steps before the group joined), got ", config.groups[g].step_offset);
   }
 }
 

@@ -147,6 +147,18 @@ class HALFSTEP_API FusedAdamW {
   /// Ordered on `stream`; holds for one step.
   void mark_unscaled(Stream stream = nullptr);
 
+  /// The next step's gradients were computed from a loss multiplied by a scale that another scaler
+  /// owns (torch.amp.GradScaler driving the step): `scale` points to it (one fp32; null: the
+  /// gradients are already divided by it), `found_inf` to that scaler's own inf/NaN check (one
+  /// fp32, nonzero or NaN: found; null: none). Both are device memory for Backend::cuda, read when
+  /// the step's work reaches them on `stream` (no host synchronisation, capturable), host memory
+  /// read at once for Backend::reference. That step divides by *scale (1 when null), skips as
+  /// skipped_overflow if either check finds an inf/NaN (reason external_found_inf for the other
+  /// scaler's), skips as skipped_nonfinite_update (invalid_loss_scale) for a scale that is not a
+  /// finite positive number, and leaves the optimizer's own scaler as it is: the other scaler
+  /// moves its scale. The scale is part of the ranks' fingerprint. Holds for one step.
+  void use_external_scale(const float* scale, const float* found_inf, Stream stream = nullptr);
+
   /// Sets the loss scale for the following steps (as GradScaler.update(new_scale) does), ordered
   /// on `stream`; the scaler's counters stay. The scale must be finite and within
   /// [ScalerConfig::min_scale, ScalerConfig::max_scale].

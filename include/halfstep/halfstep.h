@@ -51,7 +51,9 @@ enum {
   HALFSTEP_REASON_INVALID_LEARNING_RATE = 6,
   HALFSTEP_REASON_INCONSISTENT_TOTALS = 7,
   HALFSTEP_REASON_HYPERPARAMETERS_DIFFER = 8,
-  HALFSTEP_REASON_RANK_REFUSED = 9
+  HALFSTEP_REASON_RANK_REFUSED = 9,
+  HALFSTEP_REASON_EXTERNAL_FOUND_INF = 10, /**< the external scaler's check found an inf/NaN */
+  HALFSTEP_REASON_INVALID_LOSS_SCALE = 11  /**< the external loss scale is not finite and > 0 */
 };
 
 /** One parameter tensor (halfstep::ParamTensor). */
@@ -190,6 +192,12 @@ HALFSTEP_C_API halfstep_status halfstep_set_gradients(halfstep_optimizer* opt, c
                                                       int64_t n_tensors, void* stream);
 /** The next step's gradients are already divided by the loss scale (halfstep::FusedAdamW::mark_unscaled). */
 HALFSTEP_C_API halfstep_status halfstep_mark_unscaled(halfstep_optimizer* opt, void* stream);
+/** The next step's gradients were scaled by *scale, a scale another scaler owns (torch.amp.GradScaler),
+ *  whose own check found an inf/NaN where *found_inf != 0; both are device memory read in stream
+ *  order (host memory for the reference backend), scale NULL for gradients already unscaled,
+ *  found_inf NULL for no check (halfstep::FusedAdamW::use_external_scale). */
+HALFSTEP_C_API halfstep_status halfstep_use_external_scale(halfstep_optimizer* opt, const float* scale,
+                                                           const float* found_inf, void* stream);
 /** Sets the loss scale for the following steps, ordered on `stream` (halfstep::FusedAdamW::set_loss_scale). */
 HALFSTEP_C_API halfstep_status halfstep_set_loss_scale(halfstep_optimizer* opt, float scale, void* stream);
 /** Device memory holding a group's learning rate, for schedules computed on the device (host

@@ -105,11 +105,15 @@ enum class SkipReason : std::uint8_t {
                                ///< finite, or makes lr·weight_decay >= 1 with decoupled decay
   inconsistent_totals,         ///< the totals record breaks a rule every reduction of halfstep
                                ///< records keeps (a faulty or mismatched all-reduce)
-  hyperparameters_differ,      ///< the ranks stepped with different hyperparameters (a learning
-                               ///< rate changed on one rank only): every rank skips
+  hyperparameters_differ,      ///< the ranks stepped with different hyperparameters or loss scales
+                               ///< (a learning rate changed on one rank only, a rank whose scaler
+                               ///< drifted): every rank skips
   rank_refused,                ///< a rank refused its own step (step_local_refused, step_refused:
                                ///< its inputs failed its checks) and took part without gradients,
                                ///< so that no rank waits for it: every rank skips
+  external_found_inf,          ///< the external scaler's own check found an inf or NaN
+                               ///< (FusedAdamW::use_external_scale; Outcome::skipped_overflow)
+  invalid_loss_scale,          ///< the external loss scale is not a finite positive number
 };
 
 /// The reason's name: "none", "nonfinite_gradient", "spike", "gradient_exceeds_fp32", ...
@@ -164,7 +168,7 @@ inline bool operator!=(const OptimizerState& a, const OptimizerState& b) { retur
 /// Throws halfstep::Error if `state` could not have come from a run with `config`: every counter
 /// in [0, kCounterLimit], overflows, growths, spikes and applied steps at most the attempts,
 /// backoffs at most the overflows, the scaler's counters within its config, the spike statistics
-/// those of a finite log-norm.
+/// those of a finite log-norm, and no group's step_offset past the applied steps.
 HALFSTEP_API void validate_state(const OptimizerState& state, const StepConfig& config);
 
 }  // namespace halfstep

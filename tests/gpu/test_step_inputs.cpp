@@ -219,3 +219,110 @@ TEST_CASE("gpu set_loss_scale sets the next step's scale, and set_state carries 
   }
   CHECK(dev.download(h).tensors[0] == copy.download(h).tensors[0]);
 }
+
+TEST_CASE("gpu an external scale is divided by for one step, its found_inf skips, and the own scaler stays", "[gpu][inputs]") {
+  // torch.amp.GradScaler driving the step: its scale (device memory) unscales the gradients, its
+  // found_inf skips the step, and the optimizer's own scaler (a constant 1 here, as for bf16
+  // parameters) neither moves nor takes the external scale. Power-of-two scales make the run with
+  // the external scale bitwise the run whose own scale is the same. The reference backend, fed
+  // the same calls with host memory, must agree to the bit on every report (its masters are
+  // computed in double: the other tests bound them).
+  for (const bool host_driven : {false, true}) {
+    for (DType grad : {DType::f16, DType::f32}) {
+      CAPTURE(host_driven, dtype_name(grad));
+      const std::vector<std::int64_t> sizes = {3000, 70, 33000};
+      const float S = 4096.0f;
+      HostModel a = poisoned_model(37, sizes, S, grad, DType::bf16);
+      DeviceModel da(a), db(a);
+      HostModel hr = a;  // the reference backend's buffers
+      StepConfig own = config_for(grad, DType::bf16, S, 0.5f);
+      own.host_driven = host_driven;
+      own.scaler.growth_interval = 1000;
+      StepConfig ext = own;
+      ext.scaler = ScalerConfig::constant(1.0f);
+      FusedAdamW by_own(da.views(), own), by_ext(db.views(), ext);
+      FusedAdamW ref(hr.views(), ext, Backend::reference);
+      DeviceArray<float> d_scale(1, 0), d_found(1, 0);
+      auto external = [&](float scale, float found) {
+        d_scale.upload({scale});
+        d_found.upload({found});
+        by_ext.use_external_scale(d_scale.ptr, d_found.ptr);
+        ref.use_external_scale(&scale, &found);
+      };
+      auto same_reports = [&](const StepReport& x, const StepReport& y) {
+        CHECK(x.outcome == y.outcome);
+        CHECK(x.reason == y.reason);
+        CHECK(same_bits(x.grad_norm, y.grad_norm));
+        CHECK(same_bits(x.clip_coef, y.clip_coef));
+        CHECK(x.scale_used == y.scale_used);
+        CHECK(x.scale_next == y.scale_next);
+        CHECK(x.headroom_log2 == y.headroom_log2);
+        CHECK(x.step == y.step);
+        CHECK(x.attempt == y.attempt);
+      };
+      // Step 1: divided by the external scale, as the own-scale run divides by its own.
+      external(S, 0.0f);
+      by_ext.step();
+      ref.step();
+      by_own.step();
+      const StepReport r1 = by_ext.last_report();
+      CHECK(r1.outcome == Outcome::applied);
+      CHECK(r1.scale_used == S);
+      CHECK(r1.scale_next == S);  // the external scaler moves its own scale
+      same_reports(r1, by_own.last_report());
+      same_reports(r1, ref.last_report());
+      CHECK(by_ext.state().scaler == ScalerState::initial(ext.scaler));  // untouched
+      CHECK(by_ext.loss_scale() == 1.0f);
+      HostModel xa = da.download(a), xb = db.download(a);
+      for (std::size_t t = 0; t < sizes.size(); ++t) {
+        CHECK(xa.tensors[t].master == xb.tensors[t].master);
+        CHECK(xa.tensors[t].model == xb.tensors[t].model);
+      }
+      // Step 2: the external found_inf skips finite gradients; nothing is written, the own scaler stays.
+      external(S, 1.0f);
+      by_ext.step();
+      ref.step();
+      const StepReport r2 = by_ext.last_report();
+      CHECK(r2.outcome == Outcome::skipped_overflow);
+      CHECK(r2.reason == SkipReason::external_found_inf);
+      CHECK(r2.nonfinite_count == 0);
+      CHECK(r2.step == 1);
+      same_reports(r2, ref.last_report());
+      CHECK(by_ext.state().scaler == ScalerState::initial(ext.scaler));
+      CHECK(db.download(a).tensors[0].master == xb.tensors[0].master);
+      // A NaN found_inf is a finding too; a scale that is not a finite positive number skips.
+      for (const float bad : {0.0f, -2.0f, INFINITY, NAN}) {
+        CAPTURE(bad);
+        external(bad, 0.0f);
+        by_ext.step();
+        ref.step();
+        CHECK(by_ext.last_report().outcome == Outcome::skipped_nonfinite_update);
+        CHECK(by_ext.last_report().reason == SkipReason::invalid_loss_scale);
+        CHECK(ref.last_report().reason == SkipReason::invalid_loss_scale);
+      }
+      external(S, NAN);
+      by_ext.step();
+      ref.step();
+      CHECK(by_ext.last_report().reason == SkipReason::external_found_inf);
+      CHECK(ref.last_report().reason == SkipReason::external_found_inf);
+      // It held for one step: the next step divides by the own scale (1) again.
+      by_ext.step();
+      ref.step();
+      CHECK(by_ext.last_report().scale_used == 1.0f);
+      CHECK(by_ext.last_report().outcome == Outcome::applied);
+      same_reports(by_ext.last_report(), ref.last_report());
+      // Gradients the external scaler already unscaled: a null scale divides by 1.
+      const ScalerState own_state = by_ext.state().scaler;
+      by_ext.use_external_scale(nullptr, d_found.ptr);  // d_found holds NaN: found
+      by_ext.step();
+      CHECK(by_ext.last_report().reason == SkipReason::external_found_inf);
+      d_found.upload({0.0f});
+      by_ext.use_external_scale(nullptr, nullptr);
+      by_ext.step();
+      CHECK(by_ext.last_report().outcome == Outcome::applied);
+      CHECK(by_ext.last_report().scale_used == 1.0f);
+      CHECK(same_bits(by_ext.last_report().grad_norm, r1.grad_norm * S));  // divided by 1, not S
+      CHECK(by_ext.state().scaler == own_state);
+    }
+  }
+}

@@ -320,6 +320,13 @@ TEST_CASE("relations between counters are checked", "[checkpoint]") {
   expect_corrupt(with_field(bytes, kConsecutive, std::int64_t{17}), "SpikeState.consecutive");  // max 16
   expect_corrupt(with_field(bytes, kConsecutive, s.spike.spikes + 1), "SpikeState.consecutive");
   expect_corrupt(with_field(bytes, kSeen, s.attempts + 1), "SpikeState.seen");
+  // A group that joined after the steps taken so far (the last group's step_offset ends the
+  // payload, before the CRC).
+  expect_corrupt(with_field(bytes, bytes.size() - 12, s.step + 1), "step_offset");
+  CHECK_NOTHROW(decode_state(with_field(bytes, bytes.size() - 12, s.step)));
+  StepConfig late = sample_config();
+  late.groups[1].step_offset = s.step + 1;
+  CHECK_THROWS_WITH(encode_state(s, late), Catch::Contains("groups[1].step_offset must be at most OptimizerState.step"));
   // A spike state without the spike detector.
   StepConfig off = sample_config();
   off.spike.enabled = false;

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
@@ -230,6 +231,53 @@ TEST_CASE("ranks whose learning rates differ all skip the step, naming why, and 
       }
     }
     CHECK(!(summarize(total_record, DType::bf16).hyperparameters_agree) == (step >= 3));
+    CHECK(flats[0] == flats[1]);
+  }
+}
+
+TEST_CASE("ranks whose loss scales differ all skip the step, and stay replicas", "[distributed][validate]") {
+  // The fingerprint covers the scale the gradients are divided by: a rank whose own scale was
+  // set apart (set_loss_scale), whose external scaler gives another scale, marks its gradients
+  // unscaled alone, or alone reports an external found_inf, makes every rank skip.
+  ShardedCase c = ShardedCase::make(963, DType::f16, 1, 300);
+  struct Skew {
+    const char* what;
+    std::function<void(FusedAdamW&, int)> apply;
+    bool differ;
+  };
+  const float half = 512.0f, full = 1024.0f, none = 0.0f, found = 1.0f;
+  const std::vector<Skew> skews = {
+      {"equal own scales", [](FusedAdamW&, int) {}, false},
+      {"one rank's own scale set apart", [&](FusedAdamW& o, int r) { if (r == 1) o.set_loss_scale(half); }, true},
+      {"equal external scales", [&](FusedAdamW& o, int) { o.use_external_scale(&full, &none); }, false},
+      {"external scales that differ",
+       [&](FusedAdamW& o, int r) { o.use_external_scale(r == 0 ? &full : &half, &none); }, true},
+      {"one rank external, one own", [&](FusedAdamW& o, int r) { if (r == 0) o.use_external_scale(&full, &none); }, true},
+      {"one rank's gradients marked unscaled", [&](FusedAdamW& o, int r) { if (r == 1) o.mark_unscaled(); }, true},
+      {"one rank's found_inf", [&](FusedAdamW& o, int r) { o.use_external_scale(&full, r == 1 ? &found : &none); }, true},
+  };
+  for (const Skew& skew : skews) {
+    CAPTURE(skew.what);
+    std::vector<FlatBuffers> flats(2, c.initial);
+    std::vector<std::unique_ptr<FusedAdamW>> opts;
+    StepTotals total_record{};
+    for (int r = 0; r < 2; ++r) {
+      auto& f = flats[static_cast<std::size_t>(r)];
+      opts.push_back(std::make_unique<FusedAdamW>(c.whole(f), c.config, Distributed{r, {}}, Backend::reference));
+      f.grad = c.grads[0];
+      skew.apply(*opts.back(), r);
+      opts.back()->step_local();
+      combine(total_record, *opts.back()->device_totals());
+    }
+    CHECK(summarize(total_record, DType::f16).hyperparameters_agree == !skew.differ);
+    for (int r = 0; r < 2; ++r) {
+      *opts[static_cast<std::size_t>(r)]->device_totals() = total_record;
+      opts[static_cast<std::size_t>(r)]->step_finish();
+      const StepReport rep = opts[static_cast<std::size_t>(r)]->last_report();
+      CAPTURE(r);
+      CHECK((rep.reason == SkipReason::hyperparameters_differ) == skew.differ);
+      if (skew.differ) CHECK(rep.outcome == Outcome::skipped_inconsistent);
+    }
     CHECK(flats[0] == flats[1]);
   }
 }

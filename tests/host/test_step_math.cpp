@@ -42,7 +42,7 @@ void decide_for(const Totals& totals, OptimizerState& state, const StepConfig& c
   }
   DecideParams p = decide_params(c);
   p.device_scaler = device_scaler;
-  decide(totals, state, p, groups.data(), lr.data(), static_cast<std::int32_t>(groups.size()), false, report,
+  decide(totals, state, p, groups.data(), lr.data(), static_cast<std::int32_t>(groups.size()), ScaleInputs{}, report,
          decision);
 }
 
