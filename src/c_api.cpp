@@ -386,6 +386,23 @@ halfstep_status halfstep_learning_rates(halfstep_optimizer* opt, float* out, int
   });
 }
 
+halfstep_status halfstep_get_group(halfstep_optimizer* opt, int32_t group, halfstep_group* out) {
+  return guarded([&] {
+    require(opt != nullptr && out != nullptr, "opt and out must not be NULL");
+    const std::vector<halfstep::AdamWConfig>& groups = opt->opt.config().groups;
+    require(group >= 0 && group < static_cast<int32_t>(groups.size()), "group must name one of the optimizer's groups");
+    const halfstep::AdamWConfig& c = groups[static_cast<std::size_t>(group)];
+    out->lr = opt->opt.learning_rates()[static_cast<std::size_t>(group)];
+    out->beta1 = c.beta1;
+    out->beta2 = c.beta2;
+    out->eps = c.eps;
+    out->weight_decay = c.weight_decay;
+    out->decoupled_weight_decay = c.decoupled_weight_decay ? 1 : 0;
+    out->bias_correction = c.bias_correction ? 1 : 0;
+    out->step_offset = c.step_offset;
+  });
+}
+
 halfstep_status halfstep_sizes(halfstep_optimizer* opt, int64_t* n_tensors, int32_t* n_groups) {
   return guarded([&] {
     require(opt != nullptr && n_tensors != nullptr && n_groups != nullptr,

@@ -204,6 +204,9 @@ HALFSTEP_C_API halfstep_status halfstep_set_loss_scale(halfstep_optimizer* opt, 
  *  memory for the reference backend); an invalid value written there skips the step with
  *  HALFSTEP_REASON_INVALID_LEARNING_RATE. NULL on error. */
 HALFSTEP_C_API float* halfstep_device_lr(halfstep_optimizer* opt, int32_t group);
+/** A group's hyperparameters as the next step uses them (its learning rate as the step reads it,
+ *  its step_offset): what set_group, set_lr, device_lr and load_state left; waits. */
+HALFSTEP_C_API halfstep_status halfstep_get_group(halfstep_optimizer* opt, int32_t group, halfstep_group* out);
 /** Each group's learning rate as the next step reads it into out[0 .. n_groups); waits. */
 HALFSTEP_C_API halfstep_status halfstep_learning_rates(halfstep_optimizer* opt, float* out, int32_t n_groups);
 /** Tensors and groups the optimizer was built with. */

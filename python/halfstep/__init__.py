@@ -240,6 +240,20 @@ class Optimizer:
         """The next step's gradients are already divided by the loss scale."""
         check(lib.halfstep_mark_unscaled(self.handle, stream or None))
 
+    def use_external_scale(self, scale_address, found_inf_address, stream=0):
+        """The next step's gradients were scaled by the fp32 at `scale_address` (0: already
+        unscaled), a scale another scaler owns, whose own check found an inf/NaN where the fp32 at
+        `found_inf_address` is nonzero (0: no check); read on `stream` (device memory; host memory
+        for the reference backend)."""
+        check(lib.halfstep_use_external_scale(self.handle, scale_address or None, found_inf_address or None,
+                                              stream or None))
+
+    def group(self, index):
+        """Group `index`'s hyperparameters as the next step uses them, as a dict (waits)."""
+        g = Group()
+        check(lib.halfstep_get_group(self.handle, int(index), _C.byref(g)))
+        return {name: getattr(g, name) for name, _ in Group._fields_}
+
     def set_loss_scale(self, scale, stream=0):
         check(lib.halfstep_set_loss_scale(self.handle, float(scale), stream or None))
 

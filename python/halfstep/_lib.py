@@ -109,6 +109,8 @@ def _load(path):
         "halfstep_set_group": (C.c_int, [P, C.c_int32, C.POINTER(Group), P]),
         "halfstep_set_gradients": (C.c_int, [P, C.POINTER(C.c_void_p), C.c_int64, P]),
         "halfstep_mark_unscaled": (C.c_int, [P, P]),
+        "halfstep_use_external_scale": (C.c_int, [P, P, P, P]),
+        "halfstep_get_group": (C.c_int, [P, C.c_int32, C.POINTER(Group)]),
         "halfstep_set_loss_scale": (C.c_int, [P, C.c_float, P]),
         "halfstep_device_lr": (C.POINTER(C.c_float), [P, C.c_int32]),
         "halfstep_learning_rates": (C.c_int, [P, C.POINTER(C.c_float), C.c_int32]),

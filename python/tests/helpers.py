@@ -31,6 +31,18 @@ def run_workers(script, argvs, timeout):
         assert p.returncode == 0, "rank %d of %d failed:\n%s" % (rank, len(procs), logs[rank])
 
 
+def halfstep_entry(state_dict):
+    """The optimizer's own state in a FusedAdamW state_dict: param_groups[0]['halfstep']."""
+    return state_dict["param_groups"][0]["halfstep"]
+
+
+def with_halfstep_entry(state_dict, **changes):
+    """A copy of a FusedAdamW state_dict whose halfstep entry has `changes`."""
+    groups = [dict(g) for g in state_dict["param_groups"]]
+    groups[0]["halfstep"] = dict(groups[0]["halfstep"], **changes)
+    return dict(state_dict, param_groups=groups)
+
+
 def without(report, *keys):
     """A report without the named keys, NaN written as "nan" so that reports compare with ==."""
     return {k: ("nan" if v != v else v) for k, v in report.items() if k not in keys}

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import halfstep  # noqa: E402
 from halfstep.torch import FusedAdamW  # noqa: E402
 
-from helpers import fresh_params, scaled_grads  # noqa: E402
+from helpers import fresh_params, halfstep_entry, scaled_grads  # noqa: E402
 
 SHAPES = [(7, 5), (33,), (4, 4, 3), (1,)]
 
@@ -36,7 +36,7 @@ def state_of(opt):
     """Everything the optimizer holds, for bitwise comparisons."""
     sd = opt.state_dict()
     return ([t.clone() for entry in sd["state"].values() for t in entry.values()],
-            bytes(sd["halfstep"]["optimizer_state"].tolist()), opt._opt.learning_rates())
+            bytes(halfstep_entry(sd)["optimizer_state"].tolist()), opt._opt.learning_rates())
 
 
 def same_state(a, b):
@@ -102,9 +102,11 @@ def test_loss_scale_and_applied_steps_are_copies_the_user_cannot_corrupt():
 
 
 def test_steps_from_several_threads_are_serialised():
-    # (bf16: the steps need no scale read in between, which several threads could not give each)
+    # (bf16 without loss scaling: the steps need no scale read in between, which several threads
+    # could not give each)
     params, twin_params = fresh_params(SHAPES, torch.bfloat16, seed=1), fresh_params(SHAPES, torch.bfloat16, seed=1)
-    opt, twin = build(params), build(twin_params)
+    opt, twin = [FusedAdamW([dict(params=ps[:2], lr=1e-2, weight_decay=0.1), dict(params=ps[2:], lr=3e-3)],
+                            max_grad_norm=0.5) for ps in (params, twin_params)]
     gen = torch.Generator().manual_seed(4)
     _, grads = scaled_grads(SHAPES, torch.bfloat16, float(opt.loss_scale), gen, 1e-3)
     for p, q, g in zip(params, twin_params, grads):
@@ -145,8 +147,7 @@ def test_param_groups_changed_after_construction_are_refused_and_nothing_changes
     assert opt.scaler_state()["attempts"] == 3
 
 
-@pytest.mark.parametrize("bad, error", [("0.5", "Invalid lr"), (1e-50, "rounds to 0 in fp32"),
-                                        (1e300, "Invalid learning rate"), (math.nan, "Invalid learning rate"),
+@pytest.mark.parametrize("bad, error", [("0.5", "Invalid lr"), (1e300, "Invalid learning rate"), (math.nan, "Invalid learning rate"),
                                         (-1e-3, ">= 0"), (20.0, r"weight_decay must be < 1")])
 def test_a_refused_step_pushes_no_learning_rate_and_takes_no_weights(bad, error):
     params = fresh_params(SHAPES, torch.float16, seed=1)

@@ -1,0 +1,306 @@
+"""Where a FusedAdamW keeps this rank's optimizer state, one class per storage strategy:
+
+- PerParameter: each parameter's state in tensors of its shape (one process, or every rank of a
+  process group keeping all of it: shard=False). fp32 parameters are their own masters.
+- DTensorShards: the same over the local shards of DTensor parameters (FSDP2); saved as DTensors.
+- ZeroShard: this rank's chunk of the flat parameter space, one flat tensor per slot (ZeRO-1,
+  shard=True); the new model copy is all-gathered into the parameters after each step.
+
+Each holds slot -> tensor for the state slots (SLOTS: the fp32 master and the two moments) and
+builds the library's tensor table over them; nothing else in the package knows where a slot's
+values live. A layout is built once per set of parameters; a rebuild that keeps the parameters
+reuses its tensors (PerParameter, DTensorShards), so views handed out survive it.
+"""
+
+import torch
+import torch.distributed as _dist
+
+from . import _dtensor, _sharding
+
+SLOTS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def slot_dtypes():
+    """The dtype of each slot's values."""
+    return {"master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+
+
+def _take(master, model, weights):
+    """Weights written into the parameters become the masters of the elements that differ from
+    their master rounded to the parameter's format (so writing the same values keeps the masters'
+    precision); `model` (a ZeRO model chunk) takes the weights themselves."""
+    changed = weights != master.to(weights.dtype)
+    master.copy_(torch.where(changed, weights.float(), master))
+    if model is not None:
+        model.copy_(weights)
+
+
+class Layout:
+    """What every layout knows: the parameters, what this rank holds of each (`local`), their groups,
+    the flat parameter space and this rank's table rows (parameter index, offset in the parameter,
+    length, offset in this rank's storage, counted in the norm)."""
+
+    sharded = False  # the state is cut into ranks' chunks of the flat space (ZeRO)
+    kind = None      # the name a state_dict records
+
+    def __init__(self, params, group_of, world, rank, pg):
+        self.params = list(params)
+        self.local = [_dtensor.local(p) for p in self.params]
+        self.group_of = list(group_of)
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.fp32 = self.dtype == torch.float32
+        self.world, self.rank, self.pg = world, rank, pg
+        self.formats = slot_dtypes()
+        self.numels = [t.numel() for t in self.local]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
+        self.table = self.rank_table(rank)
+        self.pieces = [[] for _ in self.params]  # this rank's (offset, length, at) of each parameter
+        for i, off, length, at, _ in self.table:
+            self.pieces[i].append((off, length, at))
+
+    def rank_table(self, rank):
+        raise NotImplementedError
+
+    def param_of(self, rank, entry):
+        """The parameter of entry `entry` of rank `rank`'s table."""
+        table = self.table if rank == self.rank else self.rank_table(rank)
+        return table[entry][0]
+
+    def _row(self, slots, model, at, length, i, in_norm):
+        """One library table entry over `slots` (tensors whose element `at` starts the entry)."""
+        row = {name: slots[name].data_ptr() + slots[name].element_size() * at for name in SLOTS}
+        row.update(grad=0, model=0 if model is None else model.data_ptr() + model.element_size() * at,
+                   numel=length, group=self.group_of[i], in_norm=in_norm)
+        return row
+
+    def grad_addresses(self, grads):
+        """The address of each table entry's gradient (0: its parameter has none this step)."""
+        elem = self.local[0].element_size()
+        return [0 if grads[i] is None or grads[i].numel() == 0 else grads[i].data_ptr() + elem * off
+                for i, off, _, _, _ in self.table]
+
+    def after_step(self):
+        """What follows a step (or a skipped one): nothing, unless the layout gathers the weights."""
+
+    def refused(self):
+        """This rank refused its step while the others took it: what keeps the ranks' weights right."""
+
+
+class PerParameter(Layout):
+    """Each parameter's state in tensors of its (local) shape."""
+
+    kind = "per_parameter"
+
+    def __init__(self, params, group_of, world=1, rank=0, pg=None, carried=None):
+        super().__init__(params, group_of, world, rank, pg)
+        carried = carried or {}
+        self.state = []
+        for p, w in zip(self.params, self.local):
+            slots = carried.get(p)
+            if slots is None:
+                slots = {name: torch.zeros(w.shape, dtype=self.formats[name], device=self.device)
+                         for name in SLOTS if name != "master"}
+                slots["master"] = w.detach().float().contiguous().clone()
+            else:
+                slots = dict(slots)
+            if self.fp32:  # the parameter is its own master (carrying the carried values)
+                if slots["master"] is not w and slots["master"].data_ptr() != w.data_ptr():
+                    w.detach().copy_(slots["master"].view_as(w))
+                slots["master"] = w.detach()
+            self.state.append(slots)
+
+    def rank_table(self, rank):
+        return _sharding.rank_table(self.numels, self.world, rank, self.pg is not None, False)
+
+    def entries(self):
+        return [self._row(self.state[i], None if self.fp32 else self.local[i].detach(), off, length, i, in_norm)
+                for i, off, length, _, in_norm in self.table]
+
+    def views(self, i):
+        """opt.state[p]'s slots: the very tensors the step writes."""
+        return dict(self.state[i])
+
+    def carried(self):
+        """Every parameter's slots, for a layout rebuilt over more parameters: the same tensors."""
+        return {p: dict(s) for p, s in zip(self.params, self.state)}
+
+    def take(self, i):
+        if not self.fp32:
+            _take(self.state[i]["master"].view(-1), None, self.local[i].detach().reshape(-1))
+
+    def set_slot(self, i, name, value):
+        """A slot of parameter i written (opt.state[p][name] = value); a master also into the
+        parameter, rounded to its dtype, as a step writes it."""
+        self.state[i][name].copy_(value.view(self.state[i][name].shape))
+        if name == "master" and not self.fp32:
+            self.local[i].detach().copy_(self.state[i]["master"].view_as(self.local[i]))
+
+    def write_params(self):
+        """The parameters as the masters rounded to their dtype (after a load)."""
+        if not self.fp32:
+            for t, s in zip(self.local, self.state):
+                t.detach().copy_(s["master"].view_as(t))
+
+    def saved(self):
+        """{parameter index: {slot: a copy}} for a state_dict."""
+        return {i: {name: t.detach().clone() for name, t in s.items()} for i, s in enumerate(self.state)}
+
+    def expected(self, i):
+        """The shape a saved slot of parameter `i` must have."""
+        return tuple(self.local[i].shape)
+
+    def to_local(self, i, name, t):
+        """A saved slot as this rank's tensor (the identity here)."""
+        return t
+
+    def load(self, entries):
+        """Copies checked {index: {slot: tensor}} into the state."""
+        for i, s in enumerate(self.state):
+            for name in SLOTS:
+                s[name].copy_(entries[i][name].view(s[name].shape))
+
+
+class DTensorShards(PerParameter):
+    """The local shards of DTensor parameters (FSDP2): every rank's table has one entry per
+    parameter; an element on a Replicate() dimension counts in the norm on one rank only."""
+
+    kind = "dtensor"
+
+    def rank_table(self, rank):
+        if rank != self.rank:
+            return self.table
+        return [(i, 0, n, 0, _dtensor.counts_in_norm(p)) for i, (p, n) in enumerate(zip(self.params, self.numels))]
+
+    def saved(self):
+        # DTensors laid out as the parameter: torch.distributed.checkpoint saves them sharded and
+        # loads them into any other number of ranks.
+        return {i: {name: _dtensor.like(t.detach().clone().view(self.local[i].shape), self.params[i])
+                    for name, t in s.items()} for i, s in enumerate(self.state)}
+
+    def to_local(self, i, name, t):
+        """A DTensor laid out as parameter i (what state_dict() gives, also after
+        torch.distributed.checkpoint loaded it on another number of ranks), or a whole tensor of the
+        parameter's global shape (a gathered state_dict), of which this rank takes its piece."""
+        p = self.params[i]
+        if _dtensor.is_dtensor(t):
+            if t.device_mesh != p.device_mesh or t.placements != p.placements or t.shape != p.shape:
+                raise ValueError("load_state_dict: state[%d]['%s'] is a DTensor of shape %s with placements %s on %s; "
+                                 "parameter %d's are %s, %s on %s: load it with torch.distributed.checkpoint into "
+                                 "this optimizer's state_dict()" % (i, name, tuple(t.shape), t.placements,
+                                                                    t.device_mesh, i, tuple(p.shape), p.placements,
+                                                                    p.device_mesh))
+            return _dtensor.local(t)
+        if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(p.shape) and t.shape != self.local[i].shape:
+            return _dtensor.piece(t, p)
+        return t
+
+
+class ZeroShard(Layout):
+    """This rank's chunk of the flat parameter space: one flat tensor per slot, the model copy's
+    chunk (fp32: the masters themselves) and a buffer the ranks' chunks are all-gathered into."""
+
+    sharded = True
+    kind = "zero"
+
+    def __init__(self, params, group_of, world, rank, pg, carried=None):
+        super().__init__(params, group_of, world, rank, pg)
+        carried = carried or {}
+        self.chunk = _sharding.chunk_size(sum(self.numels), world)
+        n = max(self.chunk, 1)
+        self.flat = {name: torch.zeros(n, dtype=self.formats[name], device=self.device) for name in SLOTS}
+        self.model = self.flat["master"] if self.fp32 else torch.zeros(n, dtype=self.dtype, device=self.device)
+        self.gathered = torch.zeros(n * world, dtype=self.dtype, device=self.device)
+        weights = [t.detach() for t in self.local]
+        for i, off, length, at, _ in self.table:
+            slots = carried.get(self.params[i])
+            for name in SLOTS:
+                if slots is not None:
+                    self.flat[name][at:at + length].copy_(slots[name].reshape(-1)[off:off + length])
+                elif name == "master":
+                    self.flat[name][at:at + length].copy_(weights[i].reshape(-1)[off:off + length])
+            if not self.fp32:
+                self.model[at:at + length].copy_(weights[i].reshape(-1)[off:off + length])
+
+    def rank_table(self, rank):
+        return _sharding.rank_table(self.numels, self.world, rank, True, True)
+
+    def entries(self):
+        return [self._row(self.flat, None if self.fp32 else self.model, at, length, i, in_norm)
+                for i, _, length, at, in_norm in self.table]
+
+    def views(self, i):
+        """This rank's piece of the flattened parameter (at most one: a rank's range is contiguous)
+        and where it starts in p.view(-1)."""
+        out = {}
+        for off, length, at in self.pieces[i]:
+            out = {name: self.flat[name][at:at + length] for name in SLOTS}
+            out["offset"] = off
+        return out
+
+    def carried(self):
+        """Every parameter's slots in full (the ranks all-gather their chunks: a collective)."""
+        whole = {}
+        for name in SLOTS:
+            parts = [torch.empty_like(self.flat[name]) for _ in range(self.world)]
+            _dist.all_gather(parts, self.flat[name], group=self.pg)
+            whole[name] = torch.cat(parts)
+        return {p: {name: f[at:at + p.numel()].clone().view(p.shape) for name, f in whole.items()}
+                for p, at in zip(self.params, self.offsets)}
+
+    def take(self, i):
+        flat = self.local[i].detach().reshape(-1)
+        for off, length, at in self.pieces[i]:
+            _take(self.flat["master"][at:at + length], None if self.fp32 else self.model[at:at + length],
+                  flat[off:off + length])
+
+    def set_slot(self, i, name, value):
+        for off, length, at in self.pieces[i]:
+            self.flat[name][at:at + length].copy_(value.reshape(-1))
+            if name == "master":  # the model chunk and the parameter's piece, as a step writes them
+                if not self.fp32:
+                    self.model[at:at + length].copy_(self.flat["master"][at:at + length])
+                self.params[i].detach().view(-1)[off:off + length].copy_(self.model[at:at + length])
+
+    def refused(self):
+        # The ranks all-gather every chunk of the model copy after the step: a refusing rank's chunk
+        # must be the weights its parameters hold (written weights it did not get to take).
+        for i in range(len(self.params)):
+            if self.local[i].numel() == self.numels[i]:
+                self.take(i)
+
+    def write_params(self):
+        if not self.fp32:
+            self.model.copy_(self.flat["master"])
+        self.after_step()
+
+    def after_step(self):
+        """Every rank's chunk of the model copy into every parameter."""
+        parts = list(self.gathered.view(torch.uint8).chunk(self.world))
+        _dist.all_gather(parts, self.model.view(torch.uint8), group=self.pg)
+        for p, at in zip(self.params, self.offsets):
+            p.detach().view(-1).copy_(self.gathered[at:at + p.numel()])
+
+    def saved(self):
+        """{0: {slot: this rank's chunk}}: loaded by the same rank of the same world."""
+        return {0: {name: t.detach().clone() for name, t in self.flat.items()}}
+
+    def expected(self, i):
+        return tuple(self.flat["master"].shape)
+
+    def to_local(self, i, name, t):
+        return t
+
+    def load(self, entries):
+        for name in SLOTS:
+            self.flat[name].copy_(entries[0][name])
+
+
+def build(params, group_of, world, rank, pg, mesh, shard, carried=None):
+    """The layout for these parameters: DTensorShards on a device mesh, ZeroShard with a sharded
+    process group, PerParameter otherwise."""
+    if mesh is not None:
+        return DTensorShards(params, group_of, world, rank, pg, carried)
+    if shard:
+        return ZeroShard(params, group_of, world, rank, pg, carried)
+    return PerParameter(params, group_of, world, rank, pg, carried)
