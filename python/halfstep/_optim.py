@@ -873,6 +873,7 @@ class FusedAdamW(torch.optim.Optimizer):
             self._opt.step_local(stream)
         else:
             self._layout.refused()
+            self._scaling.push_refused(self, stream)
             self._opt.step_local_refused(stream)
         # The record: SUM over the first words, MAX over the last (as int64: the keys' sign bit
         # flipped so that signed order is their unsigned order).

@@ -89,6 +89,17 @@ class LossScaling:
         opt._opt.use_external_scale(0 if scale is None else scale.data_ptr(), 0 if found is None else found.data_ptr(),
                                     stream)
 
+    def push_refused(self, opt, stream):
+        """What a rank whose step refused its own inputs still tells the library of the scale, so
+        that its report of the (skipped) step names the scale the other ranks' do: torch.amp's,
+        when it handed a well-formed one."""
+        try:
+            external = self.check(opt)
+        except Exception:  # noqa: BLE001 (the step is refused already; nothing else is pushed)
+            return
+        if external is not None:
+            self.push(opt, external, stream)
+
     def after_step(self):
         self.taken = False
         self.unscaled = False
