@@ -994,11 +994,13 @@ class FusedAdamW(torch.optim.Optimizer):
             self._scaling.driver = scaler
 
     def _write_scaler_state(self, loaded):
-        """A GradScaler's state_dict values into the library state (checked there)."""
+        """A GradScaler's state_dict values into the library state (checked there). A growth
+        tracker past this optimizer's applied steps (a GradScaler's state given to a new optimizer)
+        counts from the optimizer's first step: the optimizer's counters hold one run's history."""
         with self._lock:
             s = self._opt.state()
             s["scale"] = loaded["scale"]
-            s["good_steps"] = loaded["_growth_tracker"]
+            s["good_steps"] = min(loaded["_growth_tracker"], s["step"])
             if "_hysteresis_left" in loaded:
                 s["hysteresis_left"] = loaded["_hysteresis_left"]
             self._opt.set_state(s)

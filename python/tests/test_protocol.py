@@ -508,7 +508,7 @@ def test_a_library_state_with_a_group_that_joined_after_the_steps_taken_is_refus
     # The last group's step_offset ends the payload, before the CRC-32 (zlib) of everything before.
     struct.pack_into("<q", blob, len(blob) - 12, 5)
     struct.pack_into("<I", blob, len(blob) - 4, zlib.crc32(bytes(blob[:-4])))
-    bad = with_halfstep_entry(sd, optimizer_state=torch.frombuffer(bytes(blob), dtype=torch.uint8))
+    bad = with_halfstep_entry(sd, optimizer_state=torch.frombuffer(blob, dtype=torch.uint8))
     with pytest.raises(halfstep.HalfstepError, match=r"groups\[1\]\.step_offset must be at most OptimizerState\.step"):
         opt2.load_state_dict(bad)
     opt2.load_state_dict(sd)

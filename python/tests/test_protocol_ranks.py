@@ -15,7 +15,7 @@ from halfstep.torch import FusedAdamW  # noqa: E402
 try:
     from torch.distributed.fsdp import fully_shard  # noqa: F401  (FSDP2: PyTorch >= 2.6)
     HAS_FSDP2 = True
-except ImportError:
+except Exception:  # noqa: BLE001 (ImportError; PyTorch 1.13's fsdp package fails on Python 3.11 itself)
     HAS_FSDP2 = False
 
 try:
