@@ -199,6 +199,7 @@ def load(opt, state_dict):
     every rank of a process group, then taken."""
     error, checked, before = None, None, None
     try:
+        opt._follow_replaced_params()
         checked = Checked(opt, state_dict)
         before = opt._library_snapshot()
         opt._adopt_scaler_rules(checked.scaler)  # a run resumed by an optimizer built without them

@@ -97,15 +97,17 @@ class PerParameter(Layout):
         carried = carried or {}
         self.state = []
         for p, w in zip(self.params, self.local):
-            slots = carried.get(p)
-            if slots is None:
-                slots = {name: torch.zeros(w.shape, dtype=self.formats[name], device=self.device)
-                         for name in SLOTS if name != "master"}
-                slots["master"] = w.detach().float().contiguous().clone()
-            else:
-                slots = dict(slots)
+            given = carried.get(p, {})
+            slots = {}
+            for name in SLOTS:
+                if name in given:
+                    slots[name] = given[name]
+                elif name == "master":
+                    slots[name] = w.detach() if self.fp32 else w.detach().float().contiguous().clone()
+                else:
+                    slots[name] = torch.zeros(w.shape, dtype=self.formats[name], device=self.device)
             if self.fp32:  # the parameter is its own master (carrying the carried values)
-                if slots["master"] is not w and slots["master"].data_ptr() != w.data_ptr():
+                if slots["master"].data_ptr() != w.data_ptr():
                     w.detach().copy_(slots["master"].view_as(w))
                 slots["master"] = w.detach()
             self.state.append(slots)
@@ -121,9 +123,15 @@ class PerParameter(Layout):
         """opt.state[p]'s slots: the very tensors the step writes."""
         return dict(self.state[i])
 
-    def carried(self):
-        """Every parameter's slots, for a layout rebuilt over more parameters: the same tensors."""
-        return {p: dict(s) for p, s in zip(self.params, self.state)}
+    def carried(self, masters=True):
+        """Every parameter's slots, for a layout rebuilt over these parameters and more: the same
+        tensors (without the masters: for parameters whose storage moved, whose values the first
+        step takes)."""
+        return {p: {k: v for k, v in s.items() if masters or k != "master"} for p, s in zip(self.params, self.state)}
+
+    def follows_storage(self):
+        """Whether the table holds the parameters' own storage (a move needs a new table)."""
+        return True
 
     def take(self, i):
         if not self.fp32:
@@ -237,6 +245,11 @@ class ZeroShard(Layout):
             out = {name: self.flat[name][at:at + length] for name in SLOTS}
             out["offset"] = off
         return out
+
+    def follows_storage(self):
+        """The table holds this rank's flat buffers only: the parameters are read and written
+        where they are at each step."""
+        return False
 
     def carried(self):
         """Every parameter's slots in full (the ranks all-gather their chunks: a collective)."""

@@ -305,6 +305,7 @@ class FusedAdamW(torch.optim.Optimizer):
         # would be lost).
         self._lock = _threading.RLock()
         self._stepped = False  # a step was attempted (from then on the parameters are fixed)
+        self._captured = False  # a CUDA graph captured a step (from then on no rebuild)
         self._tensor_reads = _hyper.TensorReads()
         self._lr_handles = {}  # group -> tensor: lr_tensor() handles, which outlive rebuilds
         self._lr_views = []
@@ -453,6 +454,7 @@ class FusedAdamW(torch.optim.Optimizer):
         GradScaler's before the first step, or a loaded state_dict's): the layout's state and views,
         lr_tensor() handles, the learning rates and the counters carry on; the scaler starts at the
         new rules' init_scale."""
+        self._refuse_rebuild_after_capture("other loss-scaler rules (a GradScaler's, or a loaded state_dict's)")
         old = self._opt
         cfg = self._library_config(scaler_options)
         groups = [old.group(i) for i in range(len(self.param_groups))]
@@ -538,10 +540,10 @@ class FusedAdamW(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         with self._lock:
-            self._follow_replaced_params()
             before = list(self.param_groups)
             error = None
             try:
+                self._follow_replaced_params()
                 if not isinstance(param_group, dict):
                     raise TypeError("add_param_group: param_group must be a dict, got %s" % type(param_group).__name__)
                 if isinstance(param_group.get("params"), set) and self._pg is not None:
@@ -576,10 +578,19 @@ class FusedAdamW(torch.optim.Optimizer):
                     raise
             self._rebuild()
 
+    def _refuse_rebuild_after_capture(self, why):
+        """A CUDA graph that captured a step replays the library optimizer it captured: after a
+        rebuild it would step the old one, silently. Such a rebuild is refused."""
+        if self._captured:
+            raise RuntimeError("FusedAdamW: a CUDA graph captured this optimizer's step, and %s would rebuild it: the "
+                               "graph would go on stepping the optimizer it captured. Make the change before capturing, "
+                               "or build a new optimizer and capture again" % why)
+
     def _rebuild(self):
         """A new layout and library optimizer over the current param_groups, continuing this one's
         state. A new group counts its bias corrections from its own first step, as torch.optim
         does."""
+        self._refuse_rebuild_after_capture("add_param_group")
         self._take_pending_weights()
         self._push_lr_sources(self._stream())
         carried = self._layout.carried()
@@ -631,13 +642,20 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError("param_groups' DTensor parameters were replaced by plain tensors: build the optimizer "
                              "over the new parameters")
         self._check_params(new)
+        self._refuse_rebuild_after_capture("parameters replaced or moved")
+        moved = same and new[0].device == self._device  # the same parameters, their storage moved
+        if moved and not self._layout.follows_storage():
+            self._storage = self._current_storage()  # nothing holds it; the first step takes the values
+            self._unstepped = True
+            return
         if mesh is not None:
             self._pg = _dtensor.mesh_group(mesh, self._pg if self._mesh is not None else None)
             self._mesh, self._shard_wanted = mesh, None
             self._join_group()
         self._device = new[0].device
         offsets = [self._opt.group(i)["step_offset"] for i in range(len(self.param_groups))]
-        self._build({}, offsets, library_state)
+        # The same parameters keep their moments (and views of them); the masters are the new storage's.
+        self._build(self._layout.carried(masters=False) if moved else {}, offsets, library_state)
         self._unstepped = True
 
     # -- weights written into the parameters ---------------------------------------------------------
@@ -856,6 +874,8 @@ class FusedAdamW(torch.optim.Optimizer):
                                "another rank refused its parameters", "the ranks' optimizers differ at their first "
                                "step (parameters replaced or moved on some ranks only, or other shapes, groups or "
                                "hyperparameters): every rank must step the same parameters")
+        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._captured = True
         if self._pg is None:
             self._opt.step(self._prepare())
             self._stepped = True
@@ -1051,7 +1071,6 @@ class FusedAdamW(torch.optim.Optimizer):
                 result = hook(self, state_dict)
                 if result is not None:
                     state_dict = result
-            self._follow_replaced_params()
             _checkpoint.load(self, state_dict)
             for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
                 hook(self)

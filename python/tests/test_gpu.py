@@ -123,6 +123,13 @@ def test_forward_backward_and_step_captured_in_a_cuda_graph(dtype):
     assert losses[-1][0] < losses[0][0], "the captured steps train"
     for p, q in zip(model.parameters(), eager_model.parameters()):
         assert torch.allclose(p.float(), q.float(), rtol=5e-2, atol=5e-3)
+    # The graph replays the optimizer it captured: a rebuild is refused from now on.
+    extra = torch.nn.Parameter(torch.zeros(4, device="cuda", dtype=dtype))
+    with pytest.raises(RuntimeError, match="a CUDA graph captured this optimizer's step"):
+        opt.add_param_group(dict(params=[extra]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert opt.last_report()["attempt"] == 3 + 12 + 1
 
 
 def test_autocast_with_fp32_parameters_and_the_grad_scaler_never_synchronises():

@@ -512,3 +512,28 @@ def test_a_library_state_with_a_group_that_joined_after_the_steps_taken_is_refus
     with pytest.raises(halfstep.HalfstepError, match=r"groups\[1\]\.step_offset must be at most OptimizerState\.step"):
         opt2.load_state_dict(bad)
     opt2.load_state_dict(sd)
+
+
+def test_a_rebuild_keeps_the_state_views_it_handed_out():
+    # Moved storage before the first step, a GradScaler's first binding and add_param_group rebuild
+    # the optimizer over the same parameters: the very tensors of opt.state[p] carry on.
+    def run(disturb):
+        model = mlp(torch.bfloat16)
+        params = list(model.parameters())
+        opt = FusedAdamW([dict(params=params[:2])], lr=1e-2, weight_decay=0.1)
+        held = opt.state[params[0]]["exp_avg"]
+        held.fill_(1e-3)  # a warm start written through a view
+        if disturb:
+            params[1].data = params[1].data.clone()
+            opt.add_param_group(dict(params=params[2:]))
+        else:
+            opt.add_param_group(dict(params=params[2:]))
+        scaler = GradScaler("cpu", init_scale=8.0)
+        for k in range(3):
+            scaler.scale(loss_of(model, k)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert held.data_ptr() == opt.state[params[0]]["exp_avg"].data_ptr(), "the view handed out is the state"
+        return weights(model)
+    assert same(run(True), run(False))
