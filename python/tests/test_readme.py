@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
@@ -21,3 +21,6 @@ def test_readme_pytorch_snippet_runs():
         exec(compile(match.group(1), "README.md", "exec"), {})
     printed = out.getvalue()
     assert "'outcome': 'applied'" in printed, printed
+    if not torch.cuda.is_available():  # bf16: no loss scale, and bf16's range measured (as the README says)
+        report = eval(printed.strip().splitlines()[-1], {"nan": float("nan"), "inf": float("inf")})
+        assert report["scale_used"] == 1.0 and report["headroom_log2"] > 100, report
