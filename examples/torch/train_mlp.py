@@ -21,9 +21,11 @@ import sys
 import torch
 
 try:
+    import halfstep
     import halfstep.torch as hst
 except ImportError:  # running from the source tree without pip install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+    import halfstep
     import halfstep.torch as hst
 
 
@@ -85,7 +87,7 @@ def main():
         except (TypeError, RuntimeError):
             scaler = None
 
-    print(f"halfstep {hst.version()} with torch {torch.__version__} on {dev}, model {str(dtype)[6:]}, "
+    print(f"halfstep {halfstep.version()} with torch {torch.__version__} on {dev}, model {str(dtype)[6:]}, "
           f"{sum(p.numel() for p in model.parameters())} parameters; "
           f"PyTorch side: fp32 + autocast {'+ GradScaler' if scaler else '(this PyTorch has no GradScaler here)'}")
     print(f"{'step':>5} | {'halfstep loss':>13} {'scale':>8} {'skips':>5} {'lr':>9} | "

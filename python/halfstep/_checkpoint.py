@@ -46,10 +46,7 @@ def save(opt):
     step = opt._step_copy.detach().clone()
     for i, entry in state.items():
         entry["step"] = step
-        if layout.sharded:
-            continue
-        extra = opt.state.extras(opt._params[i])
-        entry.update(extra)
+        entry.update(opt.state.extras(opt._params[i]))
     state.update(opt.state.foreign())
     library = opt._opt
     groups[0][KEY] = {
@@ -113,8 +110,11 @@ class Checked:
         # A sharded (ZeRO) state_dict holds one rank's chunk: the same rank of the same world loads
         # it. Every other layout's holds every parameter's state (DTensors: any world loads them).
         if layout.sharded and (hs.get("world") != opt._world or hs.get("rank") != opt._rank):
-            raise ValueError("load_state_dict: written by rank %s of %s ranks (shard=True: each rank holds its chunk); "
-                             "this is rank %d of %d" % (hs.get("rank"), hs.get("world"), opt._rank, opt._world))
+            raise ValueError("load_state_dict: a shard=True state_dict holds one rank's chunk of the state; this one was "
+                             "written by rank %s of %s ranks, and this is rank %d of %d. Save each rank's state_dict "
+                             "itself (torch.save) and load it on the same rank: torch.distributed.checkpoint keeps one "
+                             "copy of tensors that are not DTensors, so it cannot hold ZeRO-1 chunks (use shard=False "
+                             "or FSDP2 with it)" % (hs.get("rank"), hs.get("world"), opt._rank, opt._world))
         if "shapes" in hs:  # halfstep 0.3
             same = isinstance(hs["shapes"], (list, tuple)) and [tuple(x) for x in hs["shapes"]] == opt._shapes
         else:
@@ -157,21 +157,35 @@ class Checked:
         self.blob = bytes(blob)
         scaler = hs.get("scaler")
         self.scaler = dict(scaler) if isinstance(scaler, dict) else None
-        self._check_state(opt, state_dict.get("state", {}))
+        self._check_state(opt, state_dict.get("state", {}), old="shapes" in hs)
 
-    def _check_state(self, opt, state):
+    def _check_state(self, opt, state, old):
         layout = opt._layout
-        count = 1 if layout.sharded else len(opt._params)
-        if layout.sharded:
-            by_position, keys = {0: state.get(0) if isinstance(state, dict) else None}, {0}
+        count = len(opt._params)
+        if layout.sharded and old:  # halfstep 0.3: the rank's whole chunk under key 0
+            chunk = state.get(0) if isinstance(state, dict) else None
+            if not isinstance(chunk, dict) or not all(isinstance(chunk.get(k), torch.Tensor) and
+                                                      chunk[k].shape == layout.flat[k].shape for k in SLOTS):
+                raise ValueError("load_state_dict: state[0] must hold this rank's chunk of %d elements per slot"
+                                 % layout.flat["master"].numel())
+            by_position, keys = layout.pieces_of_chunk(chunk), {0}
         else:
             by_position, keys = _positional(state, self.groups, count)
         self.entries, self.extras = {}, {}
         for i in range(count):
             entry = by_position.get(i)
+            if entry is None and not opt._params[i].requires_grad:
+                # torch.distributed.checkpoint's set_optimizer_state_dict leaves out frozen parameters'
+                # state: such a parameter keeps its own.
+                self.entries[i] = None
+                continue
             if not isinstance(entry, dict):
                 raise ValueError("load_state_dict: no state for tensor %d" % i)
             shape = layout.expected(i)
+            if shape is None:  # this rank holds none of the parameter (ZeRO-1)
+                self.entries[i] = None
+                self.extras[i] = {k: v for k, v in entry.items() if k not in _KNOWN}
+                continue
             local = {}
             for key in SLOTS:
                 t = layout.to_local(i, key, entry.get(key))
@@ -188,8 +202,7 @@ class Checked:
                 raise ValueError("load_state_dict: state[%d]['master'] holds values past %s's range: the parameters "
                                  "could not hold them" % (i, str(opt._dtype)[6:]))
             self.entries[i] = local
-            if not layout.sharded:
-                self.extras[i] = {k: v for k, v in entry.items() if k not in _KNOWN}
+            self.extras[i] = {k: v for k, v in entry.items() if k not in _KNOWN}
         # Entries of "state" that are no parameter's (torch.optim keeps them).
         self.foreign = {k: v for k, v in state.items() if k not in keys} if isinstance(state, dict) else {}
 

@@ -1,10 +1,11 @@
 """The hyperparameters of FusedAdamW's param groups: torch.optim.AdamW's rules, in its words, then
 halfstep's own (the step computes in fp32).
 
-A group's learning rate is a number, or a 1-element tensor as torch.optim takes it: the step copies
-a tensor rate into the library's memory on the stream (no host read), where the step checks it as
-it checks a rate written through lr_tensor(). Betas may be 1-element tensors too; they are read on
-the host when their version counter moved (a CUDA tensor: one synchronisation per change).
+A group's learning rate is a number, or a 1-element tensor as torch.optim takes it: a tensor on the
+parameters' device is copied into the library's memory on the stream before every step (no host
+read), where the step checks it as it checks a rate written through lr_tensor(); a tensor elsewhere
+is read on the host at every step. Betas may be 1-element tensors too; they are read on the host
+when their version counter moved (a CUDA tensor: one synchronisation per change).
 """
 
 import ctypes as _C
@@ -105,15 +106,15 @@ def check_options(group, where):
 def check(lr, betas, eps, weight_decay, where="FusedAdamW", tensors=None, device=None):
     """torch.optim's rules, raising ValueError with torch.optim.AdamW's words; then halfstep's own
     (the step computes in fp32). Returns a Hyper. A tensor `lr` on `device` (the parameters') is a
-    rate read on the device; on another device (the CPU) it is read on the host."""
+    rate copied on the device; on another device (the CPU) it is read on the host."""
     tensors = tensors if tensors is not None else TensorReads()
     source = None
     if isinstance(lr, torch.Tensor):
         _scalar_tensor(lr, "lr", where)
-        if device is not None and lr.device == device and device.type == "cuda":
+        if device is not None and lr.device == device:
             source = lr
         else:
-            lr = tensors.value(lr)
+            lr = float(lr.detach().reshape(()).item())  # every time: writes through .data move no version
     for name, value in (("eps", eps), ("weight_decay", weight_decay)):
         if isinstance(value, torch.Tensor):
             raise ValueError("Invalid %s: a tensor (%s: give %s as a number; torch.optim.AdamW takes tensors for lr "

@@ -80,6 +80,31 @@ class Layout:
         return [0 if grads[i] is None or grads[i].numel() == 0 else grads[i].data_ptr() + elem * off
                 for i, off, _, _, _ in self.table]
 
+    def saved(self):
+        """{parameter index: a copy of its slots as this rank holds them} for a state_dict (a ZeRO
+        rank's piece, with its offset, or nothing where the rank holds none of the parameter)."""
+        return {i: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in self.views(i).items()}
+                for i in range(len(self.params))}
+
+    def expected(self, i):
+        """The shape a saved slot of parameter i must have here, or None where this rank holds none of it."""
+        view = self.views(i).get("master")
+        return None if view is None else tuple(view.shape)
+
+    def to_local(self, i, name, t):
+        """A saved slot as this rank's tensor (the identity, but for DTensors)."""
+        return t
+
+    def load(self, entries):
+        """Copies checked {index: {slot: tensor}} into the state (an index without an entry keeps its own)."""
+        for i, entry in entries.items():
+            if entry is None:
+                continue
+            views = self.views(i)
+            for name in SLOTS:
+                if name in views:
+                    views[name].copy_(entry[name].view(views[name].shape))
+
     def after_step(self):
         """What follows a step (or a skipped one): nothing, unless the layout gathers the weights."""
 
@@ -149,24 +174,6 @@ class PerParameter(Layout):
         if not self.fp32:
             for t, s in zip(self.local, self.state):
                 t.detach().copy_(s["master"].view_as(t))
-
-    def saved(self):
-        """{parameter index: {slot: a copy}} for a state_dict."""
-        return {i: {name: t.detach().clone() for name, t in s.items()} for i, s in enumerate(self.state)}
-
-    def expected(self, i):
-        """The shape a saved slot of parameter `i` must have."""
-        return tuple(self.local[i].shape)
-
-    def to_local(self, i, name, t):
-        """A saved slot as this rank's tensor (the identity here)."""
-        return t
-
-    def load(self, entries):
-        """Copies checked {index: {slot: tensor}} into the state."""
-        for i, s in enumerate(self.state):
-            for name in SLOTS:
-                s[name].copy_(entries[i][name].view(s[name].shape))
 
 
 class DTensorShards(PerParameter):
@@ -294,19 +301,11 @@ class ZeroShard(Layout):
         for p, at in zip(self.params, self.offsets):
             p.detach().view(-1).copy_(self.gathered[at:at + p.numel()])
 
-    def saved(self):
-        """{0: {slot: this rank's chunk}}: loaded by the same rank of the same world."""
-        return {0: {name: t.detach().clone() for name, t in self.flat.items()}}
-
-    def expected(self, i):
-        return tuple(self.flat["master"].shape)
-
-    def to_local(self, i, name, t):
-        return t
-
-    def load(self, entries):
-        for name in SLOTS:
-            self.flat[name].copy_(entries[0][name])
+    def pieces_of_chunk(self, chunk):
+        """{parameter index: {slot: its piece}} of a whole chunk of this rank ({slot: tensor}: the
+        form of halfstep 0.3's state_dicts)."""
+        return {i: {name: chunk[name][at:at + length] for name in SLOTS}
+                for i in range(len(self.params)) for _, length, at in self.pieces[i]}
 
 
 def build(params, group_of, world, rank, pg, mesh, shard, carried=None):

@@ -8,6 +8,7 @@ follows the parameters, and runs the step.
 
 import collections as _collections
 import contextlib as _contextlib
+import copy as _copy
 import ctypes as _C
 import math as _math
 import operator as _operator
@@ -84,6 +85,22 @@ class _ParamState(dict):
         raise TypeError("opt.state[p] cannot be cleared on its own: one applied-step counter serves every parameter; "
                         "clear opt.state (opt.state.clear(), or opt.state = {}) to reset every parameter's moments")
 
+    def popitem(self):
+        raise TypeError("opt.state[p].popitem(): the entry's keys are the optimizer's state of the parameter")
+
+    def update(self, *args, **kwargs):  # each key through the checked assignment
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
     def extras(self):
         """The keys a user added."""
         return {k: v for k, v in self.items() if k not in _layouts.SLOTS and k not in ("step", "offset")}
@@ -121,6 +138,19 @@ class _StateMap(_collections.defaultdict):
 
     def popitem(self):
         raise TypeError("opt.state.popitem(): clear opt.state to reset every parameter's moments")
+
+    def update(self, *args, **kwargs):  # each key through the checked assignment
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
 
     def clear(self):
         if self._opt is None:
@@ -408,8 +438,12 @@ class FusedAdamW(torch.optim.Optimizer):
         self._fill_state()
 
     def _groups_for(self, offsets):
-        return [group(lr=0.0 if h[0] is None else h[0], beta1=h[1][0], beta2=h[1][1], eps=h[2], weight_decay=h[3],
-                      step_offset=k) for h, k in zip(self._pushed, offsets)]
+        """The library's groups: the hyperparameters pushed last, the rates as the device holds them
+        (a tensor rate arrives by its copy), joined after `offsets` applied steps."""
+        self._offsets = list(offsets)
+        self._device_lr = [0.0 if h[0] is None else h[0] for h in self._pushed]
+        return [group(lr=lr, beta1=h[1][0], beta2=h[1][1], eps=h[2], weight_decay=h[3], step_offset=k)
+                for h, lr, k in zip(self._pushed, self._device_lr, offsets)]
 
     def _new_library(self, cfg, groups, library_state=None):
         """A library optimizer over the layout's table; the live views over its memory."""
@@ -595,8 +629,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self._push_lr_sources(self._stream())
         carried = self._layout.carried()
         library_state = self._opt.state()  # waits for the last step
-        offsets = [self._opt.group(i)["step_offset"] for i in range(len(self._pushed))]
-        offsets += [library_state["step"]] * (len(self.param_groups) - len(offsets))
+        offsets = self._offsets + [library_state["step"]] * (len(self.param_groups) - len(self._offsets))
         self._pushed += [_hyper.of_group(g, "param_groups", self._tensor_reads, self._device)
                          for g in self.param_groups[len(self._pushed):]]
         self._build(carried, offsets, library_state)
@@ -653,7 +686,7 @@ class FusedAdamW(torch.optim.Optimizer):
             self._mesh, self._shard_wanted = mesh, None
             self._join_group()
         self._device = new[0].device
-        offsets = [self._opt.group(i)["step_offset"] for i in range(len(self.param_groups))]
+        offsets = self._offsets
         # The same parameters keep their moments (and views of them); the masters are the new storage's.
         self._build(self._layout.carried(masters=False) if moved else {}, offsets, library_state)
         self._unstepped = True
@@ -729,10 +762,11 @@ class FusedAdamW(torch.optim.Optimizer):
                         t.zero_()
             step = self._opt.state()["step"]
             stream = self._stream()
-            for i, h in enumerate(self._pushed):
+            for i in range(len(self._pushed)):
                 g = self._opt.group(i)
                 self._opt.set_group(i, group(lr=g["lr"], beta1=g["beta1"], beta2=g["beta2"], eps=g["eps"],
                                              weight_decay=g["weight_decay"], step_offset=step), stream)
+                self._offsets[i] = step
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -806,14 +840,18 @@ class FusedAdamW(torch.optim.Optimizer):
         self._take_pending_weights()
         for i, h in enumerate(hyper):
             if h != self._pushed[i]:
+                # A rate changed in param_groups wins over one written into the device (lr_tensor);
+                # a change of the other hyperparameters keeps the rate the device holds.
+                lr_changed = h[0] is not None and h[0] != self._pushed[i][0]
+                if lr_changed:
+                    self._device_lr[i] = h[0]
+                    if i in self._lr_handles:
+                        self._lr_handles[i].fill_(h[0])
                 if h[1:] != self._pushed[i][1:]:
-                    self._opt.set_group(i, group(lr=0.0 if h[0] is None else h[0], beta1=h[1][0], beta2=h[1][1],
-                                                 eps=h[2], weight_decay=h[3],
-                                                 step_offset=self._opt.group(i)["step_offset"]), stream)
-                elif h[0] is not None:
+                    self._opt.set_group(i, group(lr=self._device_lr[i], beta1=h[1][0], beta2=h[1][1], eps=h[2],
+                                                 weight_decay=h[3], step_offset=self._offsets[i]), stream)
+                elif lr_changed:
                     self._opt.set_lr(i, h[0], stream)  # ordered before this step on the stream
-                if h[0] is not None and i in self._lr_handles:
-                    self._lr_handles[i].fill_(h[0])
                 self._pushed[i] = h
         self._push_lr_sources(stream)
         if addresses != self._grad_addresses:
@@ -840,9 +878,14 @@ class FusedAdamW(torch.optim.Optimizer):
                     d.copy_(s)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
         """One step on the current stream: check, unscale, clip, AdamW, the parameters' new values.
-        Never waits for the device (CPU tensors: runs at once)."""
+        Never waits for the device (CPU tensors: runs at once). `grad_scaler` is what PyTorch 1.x's
+        GradScaler passes an optimizer that declares _step_supports_amp_scaling (PyTorch 2 sets
+        the optimizer's grad_scale and found_inf instead)."""
+        grad_scaler = kwargs.pop("grad_scaler", None)
+        if kwargs:
+            raise TypeError("step() got an unexpected keyword argument %r" % next(iter(kwargs)))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -850,13 +893,26 @@ class FusedAdamW(torch.optim.Optimizer):
         try:
             with self._lock, (torch.cuda.device(self._device) if self._device.type == "cuda"
                               else _contextlib.nullcontext()):
+                if grad_scaler is not None:
+                    _scaling.take_torch1_scale(self, grad_scaler)
                 self._step()
         except BaseException:
             _scaling.drop_torch_scale(self)
             raise
+        if grad_scaler is not None:
+            _scaling.drop_torch_scale(self)
         return loss
 
-    def _step(self):
+    def _refuse(self, error):
+        """Raises `error`, a refusal of this rank's step found outside step() (a GradScaler's):
+        with a process group this rank first takes part in the step without its gradients, as a
+        refusal inside step() does, so that no rank waits for it."""
+        if self._pg is None:
+            raise error
+        with self._lock, (torch.cuda.device(self._device) if self._device.type == "cuda" else _contextlib.nullcontext()):
+            self._step(refusal=error)
+
+    def _step(self, refusal=None):
         # Before the first step each rank follows its parameters on its own (which may bring it a
         # device mesh's group); the ranks of a group then compare what they built, every one of
         # them, so that a rank that rebuilt differently raises with the others instead of entering
@@ -884,8 +940,10 @@ class FusedAdamW(torch.optim.Optimizer):
         # A rank whose own checks refuse this step still takes part, without its gradients, so that
         # the others do not wait for it in the all-reduce: every rank skips the step (reason
         # rank_refused), then this rank raises.
-        refused = None
+        refused = refusal
         try:
+            if refused is not None:
+                raise refused
             stream = self._prepare()
         except Exception as e:  # noqa: BLE001 (re-raised below, after the collectives)
             refused, stream = e, self._stream()
@@ -1080,14 +1138,17 @@ class FusedAdamW(torch.optim.Optimizer):
         self._versions = self._current_versions()  # our own writes
         self._unstepped = False  # the masters are the checkpoint's, not the rounded parameters
         self._step_copy.copy_(self._live_steps)
+        self._scaling.after_load()
         # The device holds the hyperparameters of the saved optimizer (also a rate written through
         # lr_tensor), param_groups the saved values, and the values the saved optimizer last pushed
         # decide, as they would have there, whether the next step pushes param_groups' again.
         self._pushed = checked.pushed
+        self._offsets = [self._opt.group(i)["step_offset"] for i in range(len(self.param_groups))]
+        self._device_lr = self._opt.learning_rates()
         for mine, saved in zip(self.param_groups, checked.groups):
             for key, value in saved.items():
-                if key not in ("params", _hyper.STATE_KEY):
-                    mine[key] = value
+                if key not in ("params", _hyper.STATE_KEY):  # copies, as torch.optim's load takes them
+                    mine[key] = value.detach().clone() if isinstance(value, torch.Tensor) else _copy.deepcopy(value)
         for i, handle in self._lr_handles.items():
             handle.copy_(self._lr_views[i])
         state = self.__dict__["_state_map"]

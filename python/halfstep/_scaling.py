@@ -45,6 +45,7 @@ class LossScaling:
         self.taken = False              # the scale was read since the last step
         self.unscaled = False           # unscale_ divided the gradients since the last step
         self.stepped = False            # the driver's step() ran since its update()
+        self.reloaded = False           # load_state_dict replaced the scale since the last step
         self._external = ()             # torch.amp.GradScaler's tensors, alive until the next step
 
     def new_iteration(self):
@@ -58,6 +59,11 @@ class LossScaling:
         (grad_scale, found_inf) when it drives this step, else None."""
         torch_scale = opt.__dict__.get("grad_scale", _ABSENT)  # set by torch.amp.GradScaler.step
         if torch_scale is _ABSENT:
+            if self.reloaded and not self.taken and not self.unscaled and opt._needs_scaled_loss():
+                raise RuntimeError(
+                    "FusedAdamW.step(): load_state_dict replaced the loss scale after this iteration's loss was scaled "
+                    "(or its gradients unscaled): the gradients would be unscaled by the loaded scale. Compute the loss "
+                    "again, scaled by the loaded scale (scaler.scale(loss), or loss * opt.loss_scale)")
             if not self.taken and not self.unscaled and opt._needs_scaled_loss():
                 raise RuntimeError(
                     "FusedAdamW.step(): %s gradients need a scaled loss (the loss scale is %s), and nothing read the "
@@ -103,6 +109,27 @@ class LossScaling:
     def after_step(self):
         self.taken = False
         self.unscaled = False
+        self.reloaded = False
+
+    def after_load(self):
+        """A loaded state replaced the scale: what was scaled or unscaled by the old one is void."""
+        self.reloaded = self.taken or self.unscaled
+        self.taken = False
+        self.unscaled = False
+
+
+def take_torch1_scale(opt, scaler):
+    """PyTorch 1.x's GradScaler hands an optimizer that declares _step_supports_amp_scaling itself
+    (step(grad_scaler=...)) instead of its scale and found_inf: they are taken from it here, as
+    PyTorch 2's GradScaler.step computes them, and set on the optimizer for this step."""
+    from torch.cuda.amp.grad_scaler import OptState
+    state = scaler._per_optimizer_states[id(opt)]
+    if state["stage"] is OptState.READY:
+        scaler._check_inf_per_device(opt)
+    scale = scaler._get_scale_async()
+    found = sum(t.to(scale.device, non_blocking=True) for t in state["found_inf_per_device"].values())
+    opt.grad_scale = None if state["stage"] is OptState.UNSCALED else scale
+    opt.found_inf = found
 
 
 def drop_torch_scale(opt):
@@ -233,9 +260,15 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self.attach(optimizer)
-        if optimizer._scaling.stepped:
-            raise RuntimeError("step() has already been called since the last update().")
+        from ._optim import FusedAdamW
+        try:
+            self.attach(optimizer)
+            if optimizer._scaling.stepped:
+                raise RuntimeError("step() has already been called since the last update().")
+        except Exception as e:  # noqa: BLE001 (raised by the optimizer: with a process group, after every rank's step)
+            if not isinstance(optimizer, FusedAdamW):
+                raise
+            optimizer._refuse(e)
         retval = optimizer.step(*args, **kwargs)
         optimizer._scaling.stepped = True
         return retval
@@ -247,6 +280,9 @@ class GradScaler:
         host: one synchronisation)."""
         if not self._enabled:
             return
+        scaling = self._optimizer._scaling if self._optimizer is not None else None
+        if new_scale is None and (scaling is None or not (scaling.stepped or scaling.unscaled)):
+            raise AssertionError("No inf checks were recorded prior to update.")  # torch.amp.GradScaler's words
         if new_scale is not None:
             value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
             if self._optimizer is None:
@@ -311,10 +347,16 @@ class GradScaler:
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
                                "instance of GradScaler.")
-        for key in ("growth_factor", "backoff_factor", "growth_interval"):
-            if key in state_dict and state_dict[key] != self._options[key]:
-                raise ValueError("load_state_dict: %s is %r in the state_dict and %r here: the scaler's rules are fixed "
-                                 "when it drives an optimizer" % (key, state_dict[key], self._options[key]))
+        rules = {key: state_dict[key] for key in ("growth_factor", "backoff_factor", "growth_interval") if key in state_dict}
+        if self._optimizer is not None:
+            for key, value in rules.items():
+                if value != self._options[key]:
+                    raise ValueError("load_state_dict: %s is %r in the state_dict and %r here: the rules of a GradScaler "
+                                     "that drives an optimizer are the optimizer's; load it before its first scale(), "
+                                     "step() or unscale_()" % (key, value, self._options[key]))
+        else:  # as torch.amp.GradScaler, the loaded rules are taken
+            config(scaler=dict(self._options, **rules))
+            self._options.update(rules)
         loaded = {"scale": float(state_dict["scale"]), "_growth_tracker": int(state_dict.get("_growth_tracker", 0))}
         if "_hysteresis_left" in state_dict:
             loaded["_hysteresis_left"] = int(state_dict["_hysteresis_left"])

@@ -129,6 +129,50 @@ def main():
             opt.zero_grad()
             reports.append(opt.last_report())
         out.update(reports=reports, params=copy(params), scales=scaler.get_scale())
+    elif mode == "zeroextras":
+        params = fresh_params(SHAPES, dtype, seed=1)
+        opt = make(params, True, scaler=dict(init_scale=2.0 ** 10))
+        for k in range(2):
+            iterate(params, opt, dtype, k)
+        for i, p in enumerate(params):
+            opt.state[p]["ema"] = torch.full((2,), float(10 * rank + i))
+        sd = opt.state_dict()
+        other = fresh_params(SHAPES, dtype, seed=9)
+        resumed = make(other, True, scaler=dict(init_scale=2.0 ** 10))
+        resumed.load_state_dict(sd)
+        out["ema"] = [resumed.state[p]["ema"].clone() for p in other]
+        out["rest"] = [iterate(params, opt, dtype, k) for k in range(2, 4)]
+        out["again"] = [iterate(other, resumed, dtype, k) for k in range(2, 4)]
+        out.update(params=copy(params), resumed=copy(other))
+    elif mode == "scalerrefuse":
+        from halfstep.torch import GradScaler
+        params = fresh_params(SHAPES, torch.float32, seed=1)
+        opt = make(params, True)
+        scaler = GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+
+        def scaled_step(o, sc, ps, k):
+            loss = sum(((p.float() * (k + 1)) ** 2).sum() for p in ps) * 1e-3
+            sc.scale(loss).backward()
+            if k == 1:
+                ps[1].grad.view(-1)[0] = float("inf")  # the scale backs off to 512
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+            return o.last_report()
+        for k in range(3):
+            scaled_step(opt, scaler, params, k)
+        saved, saved_scaler = opt.state_dict(), scaler.state_dict()
+        other = fresh_params(SHAPES, torch.float32, seed=9)
+        resumed = make(other, True)
+        resumed.load_state_dict(saved)
+        fresh = GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+        if rank == 0:
+            fresh.load_state_dict(saved_scaler)  # rank 1 forgets: its first scale() uses 1024, not 512
+        try:
+            scaled_step(resumed, fresh, other, 3)
+        except RuntimeError as e:
+            out["refused"] = str(e)
+        out["report"] = resumed.last_report()
     elif mode == "dcpapi":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict

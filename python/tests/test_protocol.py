@@ -537,3 +537,154 @@ def test_a_rebuild_keeps_the_state_views_it_handed_out():
         assert held.data_ptr() == opt.state[params[0]]["exp_avg"].data_ptr(), "the view handed out is the state"
         return weights(model)
     assert same(run(True), run(False))
+
+
+# -- found by an outside review of the above -------------------------------------------------------
+
+def test_a_change_of_the_other_hyperparameters_keeps_the_rate_written_into_lr_tensor():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = FusedAdamW([p], lr=0.0, weight_decay=0.0)
+    handle = opt.lr_tensor(0)
+    moved = []
+    for k in range(3):
+        handle.copy_(torch.tensor(0.1))
+        if k == 1:
+            opt.param_groups[0]["weight_decay"] = 1e-4
+            opt.param_groups[0]["betas"] = (0.8, 0.99)
+        before = p.detach().clone()
+        p.grad = torch.ones(4)
+        opt.step()
+        moved.append(float((before - p.detach()).abs().max()))
+    assert all(m > 0.05 for m in moved), moved
+    assert float(handle) == pytest.approx(0.1)
+
+
+def test_a_load_between_scale_and_step_is_refused_not_unscaled_by_the_loaded_scale():
+    model, opt = build(torch.float32)
+    scaler = hs_scaler()
+    for k in range(3):
+        halfstep_iteration(model, opt, scaler, k)
+    saved = roundtrip(opt.state_dict())  # at scale 512 (the overflow at step 1)
+    other_model, other = build(torch.float32, seed=4)
+    attached = GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+    attached.attach(other)
+    attached.scale(loss_of(other_model, 0)).backward()  # scaled by 4096
+    other.load_state_dict(saved)                         # the scale is now 512
+    with pytest.raises(RuntimeError, match="load_state_dict replaced the loss scale after this iteration's loss was"):
+        attached.step(other)
+    other.zero_grad()
+    attached.scale(loss_of(other_model, 0)).backward()  # scaled again, by the loaded scale
+    attached.step(other)
+    attached.update()
+    assert other.last_report()["scale_used"] == 512.0
+
+
+def test_dict_methods_of_opt_state_go_through_the_checked_assignment():
+    model, opt = build(torch.float32)
+    loss_of(model, 0).backward()
+    opt.step()
+    p = model[0].weight
+    view = opt.state[p]["exp_avg"]
+    opt.state[p].update({"exp_avg": torch.full_like(p, 0.5)})
+    assert bool((view == 0.5).all()) and opt.state[p]["exp_avg"] is view
+    opt.state[p] |= {"exp_avg_sq": torch.full_like(p, 0.25)}
+    assert bool((opt.state_dict()["state"][0]["exp_avg_sq"] == 0.25).all())
+    with pytest.raises(TypeError, match="one applied-step counter"):
+        opt.state[p].update(step=torch.tensor(3.0))
+    with pytest.raises(TypeError, match="popitem"):
+        opt.state[p].popitem()
+    with pytest.raises(TypeError, match="cannot be replaced"):
+        opt.state.update({p: {"exp_avg": torch.zeros_like(p)}})
+    assert opt.state[p].setdefault("ema", 3) == 3 and opt.state_dict()["state"][0]["ema"] == 3
+
+
+def test_a_loaded_tensor_rate_is_the_optimizers_own_copy():
+    p1, p2 = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    o1, o2 = FusedAdamW([p1], lr=torch.tensor(0.1)), FusedAdamW([p2], lr=torch.tensor(0.1))
+    p1.grad = torch.ones(3)
+    o1.step()
+    o2.load_state_dict(o1.state_dict())
+    torch.optim.lr_scheduler.LambdaLR(o1, lambda k: 0.5)
+    assert float(o2.param_groups[0]["lr"]) == pytest.approx(0.1)
+    assert o2.param_groups[0]["lr"] is not o1.param_groups[0]["lr"]
+
+
+@pytest.mark.skipif(not TORCH2, reason="torch.distributed.checkpoint.state_dict is PyTorch 2's")
+def test_set_optimizer_state_dict_keeps_a_frozen_parameters_own_state():
+    state_dict_api = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 5)
+    m.bias.requires_grad_(False)
+    opt = FusedAdamW(m.parameters(), lr=1e-2)
+    m(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    osd = roundtrip(state_dict_api.get_optimizer_state_dict(m, opt))
+    torch.manual_seed(0)
+    m2 = torch.nn.Linear(4, 5)
+    m2.bias.requires_grad_(False)
+    m2.load_state_dict(m.state_dict())
+    opt2 = FusedAdamW(m2.parameters(), lr=1e-2)
+    state_dict_api.set_optimizer_state_dict(m2, opt2, osd)
+    for o, model in ((opt, m), (opt2, m2)):
+        model(torch.ones(2, 4)).sum().backward()
+        o.step()
+    assert torch.equal(m.weight, m2.weight) and torch.equal(m.bias, m2.bias)
+
+
+def test_update_without_a_step_or_unscale_raises_as_torchs():
+    model, opt = build(torch.float32)
+    scaler = hs_scaler()
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        scaler.update()
+    scaler.update(new_scale=256.0)  # setting the scale needs none
+    assert scaler.get_scale() == 256.0
+
+
+@needs_torch_scaler
+def test_pytorch1s_grad_scaler_contract_steps_as_pytorch2s():
+    # PyTorch 1.x's GradScaler calls step(grad_scaler=self) on an optimizer that declares
+    # _step_supports_amp_scaling; PyTorch 2's sets grad_scale and found_inf instead.
+    def run(old_contract):
+        model, opt = build(torch.float32)
+        scaler = torch_cpu_grad_scaler(init_scale=2.0 ** 10, growth_interval=2)
+        reports = []
+        for k in range(6):
+            scaler.scale(loss_of(model, k)).backward()
+            inject(model, k)
+            if k == 3:
+                scaler.unscale_(opt)
+            if old_contract:
+                scaler._per_optimizer_states[id(opt)]  # created by scale()/unscale_
+                opt.step(grad_scaler=scaler)
+                scaler._per_optimizer_states[id(opt)]["stage"] = torch.amp.grad_scaler.OptState.STEPPED
+            else:
+                scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            reports.append(opt.last_report())
+        return reports, weights(model), scaler.get_scale()
+    (a, wa, sa), (b, wb, sb) = run(True), run(False)
+    assert reports_equal(a, b) and same(wa, wb) and sa == sb
+
+
+def test_a_cpu_tensor_rate_is_read_at_every_step_and_is_the_groups_lr_tensor():
+    p = torch.nn.Parameter(torch.ones(3))
+    lr = torch.tensor(0.1)
+    opt = FusedAdamW([p], lr=lr, weight_decay=0.0)
+    assert opt.lr_tensor(0) is lr
+    lr.data.fill_(0.0)  # moves no version counter
+    p.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))
+
+
+def test_a_grad_scaler_takes_the_rules_of_a_loaded_state_dict_before_it_drives():
+    scaler = GradScaler("cpu", growth_interval=7)
+    scaler.load_state_dict({"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
+                            "_growth_tracker": 1})
+    assert scaler.get_growth_interval() == 3 and scaler.get_scale() == 64.0
+    model, opt = build(torch.float32)
+    halfstep_iteration(model, opt, scaler, 0)
+    with pytest.raises(ValueError, match="the rules of a GradScaler that drives an optimizer are the optimizer's"):
+        scaler.load_state_dict({"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5})

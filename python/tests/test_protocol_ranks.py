@@ -119,3 +119,22 @@ def test_fsdp2_resumes_through_get_and_set_optimizer_state_dict(tmp_path):
         assert r["attempts"] == 3
         assert [without(x, "held_elements") for x in r["again"]] == [without(x, "held_elements") for x in r["rest"]]
         assert same(r["resumed"], r["params"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_zero1_state_dict_keeps_the_keys_added_to_opt_state(dtype, tmp_path):
+    # Found by an outside review: ZeRO-1's state_dict dropped keys a user added to opt.state[p].
+    for rank, r in enumerate(launch("zeroextras", dtype, tmp_path)):
+        assert [float(e[0]) for e in r["ema"]] == [10.0 * rank + i for i in range(len(W.SHAPES))]
+        assert [without(x, "held_elements") for x in r["again"]] == [without(x, "held_elements") for x in r["rest"]]
+        assert same(r["resumed"], r["params"])
+
+
+def test_a_grad_scaler_refusing_on_one_rank_takes_part_in_the_step(tmp_path):
+    # Found by an outside review: a GradScaler's own refusal (here: a first scale() by its initial
+    # scale while the resumed optimizer is at another) was raised before the step's collectives,
+    # and the other rank waited in them.
+    a, b = launch("scalerrefuse", "float32", tmp_path)
+    assert "refused" not in a and "attach it before the first scale()" in b["refused"]
+    for r in (a, b):
+        assert (r["report"]["outcome"], r["report"]["reason"]) == ("skipped_inconsistent", "rank_refused")
