@@ -1,5 +1,6 @@
-// Pass 2 of the step: unscale, clip and AdamW on the fp32 masters and moments from fp16, bf16 or
-// fp32 gradients, and the model copy in its 16-bit format. Every block reads finalize's decision
+// Pass 2 of the step: unscale, clip and AdamW in fp32 from fp16, bf16 or fp32 gradients, on the
+// masters and moments in their state formats (fp32; remainders with the bf16 model copy; bf16
+// moments, rounded to nearest or stochastically), and the model copy in its 16-bit format. Every block reads finalize's decision
 // first and returns at once on a skipped step, so a skipped step writes nothing anywhere. An element whose new master, moments
 // or model copy would not be finite (which finalize cannot see: it depends on the stored values)
 // keeps its old values and is counted in the report's held_elements, so no step ever writes a
@@ -14,15 +15,15 @@
 namespace halfstep::detail {
 namespace {
 
-// One vector of a pass: kW consecutive elements of every buffer, read and written with 16-byte
-// accesses (the model copy's, for four elements, with one 8-byte access). kW is 8 for 16-bit
-// gradients (16 bytes of them) and 4 for fp32 gradients, so that a thread's registers hold one
-// vector of each of the five buffers within the kernel's 64.
+// One vector of a pass: kW consecutive elements of every buffer, read and written with one access
+// per buffer and 16 bytes of 4-byte or 16-bit values at a time (8 bytes for four 16-bit values).
+// kW is 8 for 16-bit gradients (16 bytes of them) and 4 for fp32 gradients, so that a thread's
+// registers hold one vector of each buffer within the kernel's 64.
 template <DType kGrad>
 inline constexpr int kWidth = kGrad == DType::f32 ? 4 : 8;
 
 template <int kW>
-__device__ inline void load_floats(const float* src, float (&dst)[kW]) {
+__device__ inline void load_vec(const float* src, float (&dst)[kW]) {
 #pragma unroll
   for (int q = 0; q < kW / 4; ++q) {
     const float4 a = load16<float4>(src + 4 * q);
@@ -33,9 +34,31 @@ __device__ inline void load_floats(const float* src, float (&dst)[kW]) {
   }
 }
 template <int kW>
-__device__ inline void store_floats(float* dst, const float (&src)[kW]) {
+__device__ inline void store_vec(float* dst, const float (&src)[kW]) {
 #pragma unroll
   for (int q = 0; q < kW / 4; ++q) store16(dst + 4 * q, make_float4(src[4 * q], src[4 * q + 1], src[4 * q + 2], src[4 * q + 3]));
+}
+// kW 16-bit patterns: one 16-byte access for eight, one 8-byte access for four.
+template <int kW>
+__device__ inline void load_vec(const std::uint16_t* src, std::uint16_t (&dst)[kW]) {
+  if constexpr (kW == 8) {
+    unpack8(load16<uint4>(src), dst);
+  } else {
+    const uint2 q = load8b<uint2>(src);
+    dst[0] = static_cast<std::uint16_t>(q.x & 0xFFFFu);
+    dst[1] = static_cast<std::uint16_t>(q.x >> 16);
+    dst[2] = static_cast<std::uint16_t>(q.y & 0xFFFFu);
+    dst[3] = static_cast<std::uint16_t>(q.y >> 16);
+  }
+}
+template <int kW>
+__device__ inline void store_vec(std::uint16_t* dst, const std::uint16_t (&src)[kW]) {
+  if constexpr (kW == 8) {
+    store16(dst, pack8(src));
+  } else {
+    store8b(dst, make_uint2(static_cast<unsigned>(src[0]) | (static_cast<unsigned>(src[1]) << 16),
+                            static_cast<unsigned>(src[2]) | (static_cast<unsigned>(src[3]) << 16)));
+  }
 }
 
 // A vector of gradients as stored: 16-bit patterns packed two to a word, or fp32 values.
@@ -55,29 +78,6 @@ struct GradVector<DType::f32> {
   __device__ float operator[](int j) const { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 };
 
-// kW model-copy patterns: one 16-byte access for eight, one 8-byte access for four.
-template <int kW>
-__device__ inline void load_model(const std::uint16_t* src, std::uint16_t (&dst)[kW]) {
-  if constexpr (kW == 8) {
-    unpack8(load16<uint4>(src), dst);
-  } else {
-    const uint2 q = load8b<uint2>(src);
-    dst[0] = static_cast<std::uint16_t>(q.x & 0xFFFFu);
-    dst[1] = static_cast<std::uint16_t>(q.x >> 16);
-    dst[2] = static_cast<std::uint16_t>(q.y & 0xFFFFu);
-    dst[3] = static_cast<std::uint16_t>(q.y >> 16);
-  }
-}
-template <int kW>
-__device__ inline void store_model(std::uint16_t* dst, const std::uint16_t (&src)[kW]) {
-  if constexpr (kW == 8) {
-    store16(dst, pack8(src));
-  } else {
-    store8b(dst, make_uint2(static_cast<unsigned>(src[0]) | (static_cast<unsigned>(src[1]) << 16),
-                            static_cast<unsigned>(src[2]) | (static_cast<unsigned>(src[3]) << 16)));
-  }
-}
-
 template <DType kGrad>
 __device__ inline float load_grad(const void* grad, std::int64_t i) {
   if constexpr (kGrad == DType::f32) {
@@ -87,97 +87,166 @@ __device__ inline float load_grad(const void* grad, std::int64_t i) {
   }
 }
 
+// The formats of one instantiation of pass 2: the master's (with the model copy's) and each
+// moment's codec (state_codec.hpp).
+template <DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
+struct Formats {
+  using Master = MasterCodec<kMaster, kModel>;
+  using M = MomentCodec<kM>;
+  using V = MomentCodec<kV>;
+  // Stochastic rounding draws its bits only where a moment is narrower than fp32.
+  static constexpr bool kNarrow = kM != MomentFormat::f32 || kV != MomentFormat::f32;
+};
+
+// One element: decoded, updated by AdamW in fp32, encoded back in place; an element whose encoded
+// values would not all be finite keeps its old ones. Returns whether it was kept.
+template <class F>
+__device__ inline bool update_element(typename F::Master::Stored& ps, std::uint16_t& model, typename F::M::Stored& ms,
+                                      typename F::V::Stored& vs, float g, bool with_model, bool stochastic,
+                                      std::uint64_t random, const GroupConsts& k) {
+  float p = F::Master::decode(ps, model), m = F::M::decode(ms), v = F::V::decode(vs);
+  adamw_update(p, m, v, g, k);
+  typename F::Master::Stored ps_new{};
+  typename F::M::Stored ms_new{};
+  typename F::V::Stored vs_new{};
+  std::uint16_t model_new = 0;
+  const bool ok = F::Master::encode(p, with_model, ps_new, model_new) &
+                  F::M::encode(m, stochastic, static_cast<std::uint32_t>(random), ms_new) &
+                  F::V::encode(v, stochastic, static_cast<std::uint32_t>(random >> 16), vs_new);
+  if (!ok) return true;
+  ps = ps_new;
+  ms = ms_new;
+  vs = vs_new;
+  model = model_new;
+  return false;
+}
+
 // At most 64 registers a thread, so an H100/H200 SM holds 4 blocks (half occupancy) to keep
 // enough loads in flight.
-template <DType kGrad, DType kModel>
+template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
 __global__ void __launch_bounds__(kPassThreads, 4)
     apply_kernel(const TensorDesc* __restrict__ tensors, const ChunkDesc* __restrict__ chunks,
                  const Decision* __restrict__ decision, const GroupConsts* __restrict__ consts,
-                 unsigned long long* __restrict__ held_elements) {
+                 unsigned long long* __restrict__ held_elements, const int stochastic) {
+  using F = Formats<kModel, kMaster, kM, kV>;
+  using PS = typename F::Master::Stored;
+  using MS = typename F::M::Stored;
+  using VS = typename F::V::Stored;
   constexpr int kW = kWidth<kGrad>;
   if (decision->apply == 0) return;
   const Decision d = *decision;
   const ChunkDesc chunk = chunks[blockIdx.x];
   const TensorDesc tensor = tensors[chunk.tensor];
   const GroupConsts k = consts[tensor.group];
-  using M = Format16<kModel>;
 
   if (tensor.grad == nullptr) return;  // no gradient for this tensor in this step: left alone
   const void* grad = kGrad == DType::f32 ? static_cast<const void*>(static_cast<const float*>(tensor.grad) + chunk.begin)
                                           : static_cast<const void*>(static_cast<const std::uint16_t*>(tensor.grad) + chunk.begin);
-  float* master = tensor.master + chunk.begin;
-  float* exp_avg = tensor.exp_avg + chunk.begin;
-  float* exp_avg_sq = tensor.exp_avg_sq + chunk.begin;
+  PS* master = static_cast<PS*>(tensor.master) + chunk.begin;
+  MS* exp_avg = static_cast<MS*>(tensor.exp_avg) + chunk.begin;
+  VS* exp_avg_sq = static_cast<VS*>(tensor.exp_avg_sq) + chunk.begin;
   auto* model = tensor.model ? static_cast<std::uint16_t*>(tensor.model) + chunk.begin : nullptr;
+  const bool with_model = model != nullptr;
+  // Stochastic rounding's bits: keyed by the step, the tensor and each element's index in it.
+  const bool draw = F::kNarrow && stochastic != 0;
+  const std::uint64_t key = draw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
+  const std::int64_t first = tensor.key_offset + chunk.begin;
 
   unsigned held = 0;  // elements this thread kept because their update was not finite
   int done = 0;
-  if (tensor.all_vec) {  // kW elements per thread: vector accesses to all five buffers
+  if (tensor.all_vec) {  // kW elements per thread: vector accesses to every buffer
     const int n_vec = chunk.len / kW;
     for (int i = static_cast<int>(threadIdx.x); i < n_vec; i += kPassThreads) {
       const std::int64_t at = static_cast<std::int64_t>(i) * kW;
       GradVector<kGrad> g;
       g.load(grad, at);
-      float p[kW], m[kW], v[kW];
-      load_floats(master + at, p);
-      load_floats(exp_avg + at, m);
-      load_floats(exp_avg_sq + at, v);
-      std::uint16_t out[kW];  // the model copy is the new fp32 master, rounded once
-      unsigned kept = 0;      // bit j: element j keeps its old values
+      PS p[kW];
+      MS m[kW];
+      VS v[kW];
+      std::uint16_t out[kW];  // the model copy: read with remainders, else written from the master
+      load_vec(master + at, p);
+      load_vec(exp_avg + at, m);
+      load_vec(exp_avg_sq + at, v);
+      if (F::Master::kReadsModel) load_vec(model + at, out);
+      unsigned kept = 0;  // bit j: element j keeps its old values
 #pragma unroll
       for (int j = 0; j < kW; ++j) {
-        const float p0 = p[j], m0 = m[j], v0 = v[j];
-        adamw_update(p[j], m[j], v[j], unscale(g[j], d), k);
-        out[j] = model != nullptr ? M::from_float(p[j]) : 0;
-        if (!(finite32(p[j]) && finite32(m[j]) && finite32(v[j]) && (model == nullptr || M::finite(out[j])))) {
-          p[j] = p0;
-          m[j] = m0;
-          v[j] = v0;
+        const std::uint64_t random = draw ? element_bits(key, first + at + j) : 0;
+        if (update_element<F>(p[j], out[j], m[j], v[j], unscale(g[j], d), with_model, draw, random, k)) {
           kept |= 1u << j;
         }
       }
-      store_floats(master + at, p);
-      store_floats(exp_avg + at, m);
-      store_floats(exp_avg_sq + at, v);
-      if (model != nullptr) {
-        if (kept != 0) {  // rare: keep the held elements' model copies as they are
+      store_vec(master + at, p);
+      store_vec(exp_avg + at, m);
+      store_vec(exp_avg_sq + at, v);
+      if (with_model) {
+        if (!F::Master::kReadsModel && kept != 0) {  // rare: keep the held elements' model copies as they are
           std::uint16_t old[kW];
-          load_model(model + at, old);
+          load_vec(model + at, old);
 #pragma unroll
           for (int j = 0; j < kW; ++j) {
             if (kept >> j & 1u) out[j] = old[j];
           }
         }
-        store_model(model + at, out);
+        store_vec(model + at, out);
       }
       held += static_cast<unsigned>(__popc(kept));
     }
     done = n_vec * kW;
   }
   for (int i = done + static_cast<int>(threadIdx.x); i < chunk.len; i += kPassThreads) {
-    float p = master[i], m = exp_avg[i], v = exp_avg_sq[i];
-    adamw_update(p, m, v, unscale(load_grad<kGrad>(grad, i), d), k);
-    const std::uint16_t out = model != nullptr ? M::from_float(p) : 0;
-    if (finite32(p) && finite32(m) && finite32(v) && (model == nullptr || M::finite(out))) {
-      master[i] = p;
-      exp_avg[i] = m;
-      exp_avg_sq[i] = v;
-      if (model != nullptr) model[i] = out;
-    } else {
+    PS p = master[i];
+    MS m = exp_avg[i];
+    VS v = exp_avg_sq[i];
+    std::uint16_t out = F::Master::kReadsModel ? model[i] : 0;
+    const std::uint64_t random = draw ? element_bits(key, first + i) : 0;
+    if (update_element<F>(p, out, m, v, unscale(load_grad<kGrad>(grad, i), d), with_model, draw, random, k)) {
       ++held;
+      continue;
     }
+    master[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if (with_model) model[i] = out;
   }
   if (held != 0) atomicAdd(held_elements, static_cast<unsigned long long>(held));  // integer: exact
 }
 
-template <DType kGrad>
-void launch_for_grad(DType model_dtype, dim3 grid, const TensorDesc* tensors,
-                     const ChunkDesc* chunks, const Decision* decision, const GroupConsts* consts,
-                     unsigned long long* held, cudaStream_t stream) {
-  if (model_dtype == DType::bf16) {
-    HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, apply_kernel<kGrad, DType::bf16>)(tensors, chunks, decision, consts, held);
+// The instantiations the API offers: every gradient format with either model format, fp32 masters
+// or (with a bf16 model copy) remainders, and each moment in fp32 or bf16.
+template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
+void launch_one(dim3 grid, const ApplyArgs& a, unsigned long long* held, cudaStream_t stream) {
+  const int stochastic = a.state.rounding == Rounding::stochastic ? 1 : 0;
+  HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, apply_kernel<kGrad, kModel, kMaster, kM, kV>)(
+      a.tensors, a.chunks, a.decision, a.consts, held, stochastic);
+}
+
+template <DType kGrad, DType kModel, MasterFormat kMaster>
+void launch_moments(const StateFormat& s, dim3 grid, const ApplyArgs& a, unsigned long long* held, cudaStream_t stream) {
+  using MF = MomentFormat;
+  if (s.exp_avg == MF::bf16) {
+    if (s.exp_avg_sq == MF::bf16) {
+      launch_one<kGrad, kModel, kMaster, MF::bf16, MF::bf16>(grid, a, held, stream);
+    } else {
+      launch_one<kGrad, kModel, kMaster, MF::bf16, MF::f32>(grid, a, held, stream);
+    }
+  } else if (s.exp_avg_sq == MF::bf16) {
+    launch_one<kGrad, kModel, kMaster, MF::f32, MF::bf16>(grid, a, held, stream);
   } else {
-    HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, apply_kernel<kGrad, DType::f16>)(tensors, chunks, decision, consts, held);
+    launch_one<kGrad, kModel, kMaster, MF::f32, MF::f32>(grid, a, held, stream);
+  }
+}
+
+template <DType kGrad>
+void launch_for_grad(const ApplyArgs& a, dim3 grid, unsigned long long* held, cudaStream_t stream) {
+  if (a.model_dtype == DType::bf16) {
+    if (a.state.master == MasterFormat::bf16_remainder) {
+      launch_moments<kGrad, DType::bf16, MasterFormat::bf16_remainder>(a.state, grid, a, held, stream);
+    } else {
+      launch_moments<kGrad, DType::bf16, MasterFormat::f32>(a.state, grid, a, held, stream);
+    }
+  } else {
+    launch_moments<kGrad, DType::f16, MasterFormat::f32>(a.state, grid, a, held, stream);
   }
 }
 
@@ -189,13 +258,13 @@ void launch_apply(const ApplyArgs& a, cudaStream_t stream) {
   auto* held = reinterpret_cast<unsigned long long*>(&a.report->held_elements);
   switch (a.grad_dtype) {
     case DType::bf16:
-      launch_for_grad<DType::bf16>(a.model_dtype, grid, a.tensors, a.chunks, a.decision, a.consts, held, stream);
+      launch_for_grad<DType::bf16>(a, grid, held, stream);
       break;
     case DType::f32:
-      launch_for_grad<DType::f32>(a.model_dtype, grid, a.tensors, a.chunks, a.decision, a.consts, held, stream);
+      launch_for_grad<DType::f32>(a, grid, held, stream);
       break;
     default:
-      launch_for_grad<DType::f16>(a.model_dtype, grid, a.tensors, a.chunks, a.decision, a.consts, held, stream);
+      launch_for_grad<DType::f16>(a, grid, held, stream);
       break;
   }
   HALFSTEP_CUDA_CHECK(cudaGetLastError());

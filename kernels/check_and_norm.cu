@@ -55,8 +55,9 @@ struct Grad<DType::f16> {
   static constexpr int kPerWord = 2;           // values per 32-bit word
   static constexpr int kParts = 2;             // parts of each square (exact_sum.hpp)
   static constexpr bool kWindowed = false;     // every finite value is in the split's window
-  static constexpr unsigned kInf = 0x7C00u;    // infinity's pattern; NaN's lie above it
-  static constexpr unsigned kNormal = 0x0400u; // the smallest normal's pattern
+  static constexpr unsigned kMag = format_bits(DType::f16).magnitude();        // everything but the sign
+  static constexpr unsigned kInf = format_bits(DType::f16).infinity();         // NaN's lie above it
+  static constexpr unsigned kNormal = format_bits(DType::f16).exponent_lsb;   // the smallest normal's pattern
   __device__ static void to_f64(unsigned mag, double (&x)[2]) {
 #if defined(__CUDA_ARCH__)
     asm("{\n\t.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f64.f16 %0, lo;\n\tcvt.f64.f16 %1, hi;\n\t}"
@@ -74,8 +75,9 @@ struct Grad<DType::bf16> {
   static constexpr int kPerWord = 2;
   static constexpr int kParts = 2;
   static constexpr bool kWindowed = true;
-  static constexpr unsigned kInf = 0x7F80u;
-  static constexpr unsigned kNormal = 0x0080u;
+  static constexpr unsigned kMag = format_bits(DType::bf16).magnitude();
+  static constexpr unsigned kInf = format_bits(DType::bf16).infinity();
+  static constexpr unsigned kNormal = format_bits(DType::bf16).exponent_lsb;
   __device__ static void to_f64(unsigned mag, double (&x)[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f64.bf16 %0, lo;\n\tcvt.f64.bf16 %1, hi;\n\t}"
@@ -93,7 +95,8 @@ struct Grad<DType::f32> {
   static constexpr int kPerWord = 1;
   static constexpr int kParts = 3;
   static constexpr bool kWindowed = true;
-  static constexpr unsigned kInf = 0x7F800000u;
+  static constexpr unsigned kMag = format_bits(DType::f32).magnitude();
+  static constexpr unsigned kInf = format_bits(DType::f32).infinity();
   __device__ static void to_f64(unsigned mag, double (&x)[1]) { x[0] = static_cast<double>(__uint_as_float(mag)); }
 };
 
@@ -124,9 +127,9 @@ struct Measure {
 
   // Adds the two values of `w` (a single value: the low lane, the high lane zero).
   __device__ void add_word(unsigned w, const SquareSplit& split) {
-    const unsigned mag = w & 0x7FFF7FFFu;
+    const unsigned mag = w & (G::kMag * kPair);
     max_pair = __vmaxu2(max_pair, mag);
-    const unsigned nz = mag + 0x7FFF7FFFu;                  // lanes: bit 15 set unless m is zero
+    const unsigned nz = mag + G::kMag * kPair;              // lanes: bit 15 set unless m is zero
     const unsigned normal = mag + (0x8000u - G::kNormal) * kPair;  // bit 15 set from the smallest normal
     if (G::kWindowed) min_pair = __vminu2(min_pair, nz ^ kTop);   // m - 1; zero wraps to 0xFFFF
     counts += ((normal & kTop) | ((nz >> 8) & (kTop >> 8))) >> 7;
@@ -156,7 +159,7 @@ struct Measure<DType::f32> {
   __device__ explicit Measure(unsigned normal_bits_) : normal_bits(normal_bits_) {}
 
   __device__ void add_word(unsigned w, const SquareSplit& split) {
-    const unsigned mag = w & 0x7FFFFFFFu;
+    const unsigned mag = w & G::kMag;
     max_mag = umax(max_mag, mag);
     const unsigned less1 = mag - 1u;   // bit 31 set exactly when m is zero
     min_less1 = umin(min_less1, less1);
@@ -267,10 +270,10 @@ __global__ void __launch_bounds__(kPassThreads) check_and_norm_kernel(const Pass
   auto for_each_value = [&](auto f) {
     for_each_word<kFormat>(grad, chunk, tensor.grad_vec != 0, t, [&](unsigned w) {
       if constexpr (G::kPerWord == 2) {
-        f(w & 0x7FFFu);
-        f((w >> 16) & 0x7FFFu);
+        f(w & G::kMag);
+        f((w >> 16) & G::kMag);
       } else {
-        f(w & 0x7FFFFFFFu);
+        f(w & G::kMag);
       }
     });
   };

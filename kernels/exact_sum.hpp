@@ -187,7 +187,7 @@ HALFSTEP_HD inline SquareSplit square_split(DType format, std::uint32_t hint) {
     s.unit_log2[0] = -8;
     s.unit_log2[1] = -48;
     s.low = 1;          // every nonzero finite value
-    s.high = 0x7C00u;   // infinity
+    s.high = format_bits(DType::f16).infinity();
   } else if (format == DType::bf16) {
     int e0 = hint_binade(format, hint) - 30;
     e0 = e0 < -133 ? -133 : e0 > 89 ? 89 : e0;  // the grid stays a multiple of 2^-298
@@ -195,7 +195,7 @@ HALFSTEP_HD inline SquareSplit square_split(DType format, std::uint32_t hint) {
     s.unit_log2[0] = 2 * e0 + 32;
     s.unit_log2[1] = 2 * e0 - 14;
     s.low = power_pattern(format, e0);
-    s.high = e0 + 39 >= 128 ? 0x7F80u : power_pattern(format, e0 + 39);
+    s.high = e0 + 39 >= 128 ? format_bits(DType::bf16).infinity() : power_pattern(format, e0 + 39);
   } else {
     int e0 = hint_binade(format, hint) - 37;
     e0 = e0 < -126 ? -126 : e0 > 82 ? 82 : e0;  // the grid stays a multiple of 2^-298
@@ -204,7 +204,7 @@ HALFSTEP_HD inline SquareSplit square_split(DType format, std::uint32_t hint) {
     s.unit_log2[1] = 2 * e0;
     s.unit_log2[2] = 2 * e0 - 46;
     s.low = power_pattern(format, e0);
-    s.high = e0 + 46 >= 128 ? 0x7F800000u : power_pattern(format, e0 + 46);
+    s.high = e0 + 46 >= 128 ? format_bits(DType::f32).infinity() : power_pattern(format, e0 + 46);
   }
   for (int k = 0; k + 1 < s.parts; ++k) s.magic[k] = ::ldexp(1.5, s.unit_log2[k] + 52);
   return s;

@@ -73,7 +73,7 @@ __device__ void reduce_partials(const FinalizeArgs& a) {
   // Chunks are ordered by tensor, so the first bad chunk belongs to the first bad tensor.
   r.max[1] = first_bad == kNone ? 0 : first_bad_key(a.rank, a.chunks[first_bad].tensor);
   set_fingerprint(r, hyperparameter_fingerprint(a.params, a.lr, a.n_groups, a.decide.max_grad_norm,
-                                                a.inputs->scale, a.state->scaler.scale));
+                                                a.inputs->scale, a.state->scaler.scale, a.inputs->grads_key));
   *a.totals = r;
 }
 
@@ -135,7 +135,10 @@ __global__ void set_grads_kernel(TensorDesc* tensors, StepInputs* inputs, const 
     d.grad_vec = b.flags[i] & 1u;
     d.all_vec = (b.flags[i] >> 1) & 1u;
   }
-  if (threadIdx.x == 0) inputs->numel = b.numel;  // every batch of one call carries the same
+  if (threadIdx.x == 0) {  // every batch of one call carries the same
+    inputs->numel = b.numel;
+    inputs->grads_key = b.key;
+  }
 }
 
 }  // namespace

@@ -18,27 +18,27 @@ struct Format16;
 template <>
 struct Format16<DType::f16> {
   /// The exponent field in place, and its lowest bit.
-  static constexpr unsigned kExpBits = 0x7C00u, kExpLsb = 0x0400u;
+  static constexpr unsigned kExpBits = format_bits(DType::f16).exponent, kExpLsb = format_bits(DType::f16).exponent_lsb;
   __device__ static float to_float(std::uint16_t bits) {
     return __half2float(__ushort_as_half(bits));
   }
   __device__ static std::uint16_t from_float(float x) {  // round to nearest even
     return __half_as_ushort(__float2half_rn(x));
   }
-  __device__ static bool finite(std::uint16_t bits) { return (bits & 0x7C00u) != 0x7C00u; }
+  __device__ static bool finite(std::uint16_t bits) { return (bits & kExpBits) != kExpBits; }
 };
 
 template <>
 struct Format16<DType::bf16> {
   /// The exponent field in place, and its lowest bit.
-  static constexpr unsigned kExpBits = 0x7F80u, kExpLsb = 0x0080u;
+  static constexpr unsigned kExpBits = format_bits(DType::bf16).exponent, kExpLsb = format_bits(DType::bf16).exponent_lsb;
   __device__ static float to_float(std::uint16_t bits) {
     return __uint_as_float(static_cast<unsigned>(bits) << 16);
   }
   __device__ static std::uint16_t from_float(float x) {  // round to nearest even
     return __bfloat16_as_ushort(__float2bfloat16_rn(x));
   }
-  __device__ static bool finite(std::uint16_t bits) { return (bits & 0x7F80u) != 0x7F80u; }
+  __device__ static bool finite(std::uint16_t bits) { return (bits & kExpBits) != kExpBits; }
 };
 
 /// The eight 16-bit values packed in a 16-byte vector, in memory order.

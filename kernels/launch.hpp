@@ -61,6 +61,7 @@ void launch_finalize(const FinalizeArgs& args, int stages, cudaStream_t stream);
 struct ApplyArgs {
   DType grad_dtype;
   DType model_dtype;
+  StateFormat state;          // the formats of masters and moments, and their rounding
   const TensorDesc* tensors;
   const ChunkDesc* chunks;
   std::int64_t n_chunks;

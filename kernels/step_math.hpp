@@ -10,6 +10,7 @@
 
 #include "exact_sum.hpp"
 #include "halfstep/config.hpp"
+#include "state_codec.hpp"
 #include "halfstep/distributed.hpp"
 #include "step_types.hpp"
 
@@ -21,13 +22,12 @@ static_assert(kSumLimbs == StepTotals::kSumLimbs && StepTotals::kSumWords == kSu
 /// The value of a magnitude pattern of the gradient format (15 bits of f16 or bf16, 31 of f32),
 /// exactly.
 HALFSTEP_HD inline float magnitude_value(std::uint32_t bits, DType format) {
+  bits &= format_bits(format).magnitude();
   if (format == DType::f32) {
-    const std::uint32_t b = bits & 0x7FFFFFFFu;
     float x;
-    ::memcpy(&x, &b, sizeof x);
+    ::memcpy(&x, &bits, sizeof x);
     return x;
   }
-  bits &= 0x7FFFu;
   if (format == DType::bf16) {
     const int e = static_cast<int>(bits >> 7);
     const double significand = static_cast<double>((bits & 0x7Fu) | (e != 0 ? 0x80u : 0u));
@@ -39,9 +39,7 @@ HALFSTEP_HD inline float magnitude_value(std::uint32_t bits, DType format) {
 }
 
 /// The pattern of infinity in the gradient format (NaN patterns lie above it).
-HALFSTEP_HD inline std::uint32_t infinity_pattern(DType format) {
-  return format == DType::f32 ? 0x7F800000u : format == DType::bf16 ? 0x7F80u : 0x7C00u;
-}
+HALFSTEP_HD inline std::uint32_t infinity_pattern(DType format) { return format_bits(format).infinity(); }
 
 /// One more 64-bit word into a fingerprint (splitmix64's finalizer over the running value).
 HALFSTEP_HD inline std::uint64_t fingerprint_add(std::uint64_t h, std::uint64_t word) {
@@ -58,12 +56,14 @@ HALFSTEP_HD inline float step_scale(const ScaleInputs& in, float own) { return i
 /// The fingerprint of what a rank steps with, for the record's max[2] and max[3]: every group's
 /// learning rate as the step reads it and its fixed values, max_grad_norm, and how the gradients
 /// are unscaled — the loss scale (`own`, or the external one), whether they came unscaled, and
-/// whether an external scaler found an inf/NaN. Ranks that must take the same step compare it
-/// through the all-reduce: a rank with another rate or another loss scale makes every rank skip.
+/// whether an external scaler found an inf/NaN — and set_gradients' key of which tensors have a
+/// gradient. Ranks that must take the same step compare it through the all-reduce: a rank with
+/// another rate, another loss scale or other gradients present makes every rank skip.
 HALFSTEP_HD inline std::uint64_t hyperparameter_fingerprint(const GroupParams* groups, const float* lr,
                                                             std::int32_t n_groups, float max_grad_norm,
-                                                            const ScaleInputs& in, float own) {
+                                                            const ScaleInputs& in, float own, std::uint64_t grads_key) {
   std::uint64_t h = fingerprint_add(0, static_cast<std::uint64_t>(n_groups));
+  h = fingerprint_add(h, grads_key);
   h = fingerprint_add(h, double_bits(static_cast<double>(max_grad_norm)));
   h = fingerprint_add(h, double_bits(static_cast<double>(step_scale(in, own))));
   h = fingerprint_add(h, static_cast<std::uint64_t>(in.unscaled != 0) | static_cast<std::uint64_t>(in.external != 0) << 1 |
@@ -266,6 +266,8 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
   report.numel = totals.numel;
   decision.apply = 0;
   decision.coef = 0.0f;
+  decision.rounding_key = 0;
+  decision.pad_ = 0;
   decision.pre = decision.post_a = decision.post_b = 1.0f;
 
   if (totals.fault != TotalsFault::none || totals.rank_refused || !totals.hyperparameters_agree) {
@@ -319,6 +321,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
         if (own_scaler) state.scaler = next_state(state.scaler, p.scaler, false, report.headroom_log2);
         report.outcome = Outcome::applied;
         decision.apply = 1;
+        decision.rounding_key = step_key(p.seed, state.step);
         set_coefficient(decision, factor);
       }
     }
@@ -345,9 +348,6 @@ HALFSTEP_HD inline GroupConsts group_consts(const GroupParams& g, float lr, std:
   k.eps = g.eps;
   return k;
 }
-
-/// True for a finite fp32 value (x - x is NaN for inf and NaN).
-HALFSTEP_HD inline bool finite32(float x) { return x - x == 0.0f; }
 
 /// AdamW on one element in fp32: `g` is the unscaled, clipped gradient.
 HALFSTEP_HD inline void adamw_update(float& p, float& m, float& v, float g, const GroupConsts& k) {

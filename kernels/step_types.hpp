@@ -1,4 +1,4 @@
-// Internal: the plain data shared by the host orchestration (src/cuda_step.cpp) and the
+// Internal: the plain data shared by the host orchestration (src/cuda_backend.cpp) and the
 // kernels. Built once at setup in device memory; the kernels receive pointers to it.
 #pragma once
 
@@ -25,19 +25,21 @@ inline constexpr int kFinalizeThreads = 512;
 /// such accesses).
 inline constexpr int kVecElems = 8;
 
-/// One row of the tensor table.
+/// One row of the tensor table. The state buffers hold the StepConfig::state formats.
 struct TensorDesc {
-  float* master;
+  void* master;
   const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* exp_avg;
+  void* exp_avg_sq;
   void* model;             // null: no model copy for this tensor
   std::int64_t numel;
+  std::int64_t key_offset; // element 0's index in the whole tensor (ParamTensor::offset)
   std::int32_t group;
+  std::uint32_t key_id;    // the tensor's id in stochastic rounding's bits (ParamTensor::tensor_id)
   std::uint8_t grad_vec;   // grad is 16-byte aligned: pass 1 may use vector loads
   std::uint8_t all_vec;    // every buffer is 16-byte aligned: pass 2 may use vector accesses
-  std::uint8_t in_norm;    // counted in Σg² and the subnormal/zero counts (ParamTensor::in_norm)
-  std::uint8_t pad_;
+  std::uint8_t in_norm;    // counted in Σg² and the subnormal/zero counts (no ParamTensor::duplicate)
+  std::uint8_t pad_[5];
 };
 
 /// One chunk: elements [begin, begin + len) of tensor `tensor`. Chunks are ordered by tensor.
@@ -62,6 +64,7 @@ struct ScaleInputs {
 /// use_external_scale write on the stream.
 struct StepInputs {
   std::int64_t numel;      // elements of this rank's tensors in the norm that have a gradient
+  std::uint64_t grads_key; // set_gradients' key: which of the model's tensors have a gradient
   ScaleInputs scale;
 };
 
@@ -72,6 +75,7 @@ inline constexpr int kGradBatch = 256;
 struct GradBatch {
   std::int32_t first, count;
   std::int64_t numel;                  // the step's new StepInputs::numel
+  std::uint64_t key;                   // and StepInputs::grads_key
   const void* grad[kGradBatch];        // null: no gradient for that tensor
   std::uint8_t flags[kGradBatch];      // bit 0: grad 16-byte aligned; bit 1: every buffer is
 };
@@ -87,8 +91,8 @@ struct ChunkPartial {
   std::uint32_t zero;       // elements stored as ±0
 };
 
-/// The hyperparameters of a group that do not change during a run (lr lives apart, in device
-/// memory that set_lr writes).
+/// A group's hyperparameters besides its learning rate (set_group changes them between steps; lr
+/// lives apart, in device memory that set_lr and device_lr write).
 struct GroupParams {
   float beta1, beta2, eps, weight_decay;
   std::uint8_t decoupled, bias_correction;
@@ -117,6 +121,8 @@ struct Decision {
   float pre;           // a power of two >= 1, applied before coef
   float post_a;        // powers of two applied after coef: both >= 1 or both <= 1
   float post_b;
+  std::uint32_t pad_;
+  std::uint64_t rounding_key;  // step_key(seed, applied step) for stochastic rounding (state_codec.hpp)
 };
 
 /// The rule a (reduced) totals record breaks, or none. Every rule holds for any SUM/MAX reduction
@@ -150,9 +156,11 @@ struct DecideParams {
   float format_max;       // largest finite value of the format the gradients were computed in
                           // (the headroom is measured against it)
   bool device_scaler;     // run the scaler transition here (device-resident mode)
+  std::uint64_t seed;     // StateFormat::seed: the key of stochastic rounding
 };
 
-/// The run-constant hyperparameters of a group.
+/// A group's hyperparameters besides its learning rate, as the device holds them (set_group
+/// changes them between steps; the learning rate lives apart, in memory set_lr and device_lr write).
 inline GroupParams group_params(const AdamWConfig& h) {
   return GroupParams{h.beta1, h.beta2, h.eps, h.weight_decay,
                      static_cast<std::uint8_t>(h.decoupled_weight_decay ? 1 : 0),
@@ -170,8 +178,8 @@ inline std::uint32_t f32_pattern(float x) {
 /// magnitude pattern of the gradient format (any value is correct; the window follows the largest
 /// gradient from then on).
 inline std::uint32_t initial_window_hint(const StepConfig& c) {
-  if (c.grad_dtype == DType::f32) return f32_pattern(c.scaler.init_scale) & 0x7FFFFFFFu;
-  return to_bits16(DType::bf16, c.scaler.init_scale) & 0x7FFFu;
+  if (c.grad_dtype == DType::f32) return f32_pattern(c.scaler.init_scale) & format_bits(DType::f32).magnitude();
+  return to_bits16(DType::bf16, c.scaler.init_scale) & format_bits(DType::bf16).magnitude();
 }
 
 /// What decide() needs from the step's configuration.
@@ -182,6 +190,7 @@ inline DecideParams decide_params(const StepConfig& c) {
   p.max_grad_norm = c.max_grad_norm;
   p.format_max = format_info(measured_dtype(c)).max;
   p.device_scaler = !c.host_driven;
+  p.seed = c.state.seed;
   return p;
 }
 

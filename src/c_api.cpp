@@ -103,6 +103,19 @@ halfstep::StepConfig step_config(const halfstep_group* groups, int32_t n_groups,
   s.spike.z_threshold = c.spike_z_threshold;
   s.spike.ema_beta = c.spike_ema_beta;
   s.spike.min_std = c.spike_min_std;
+  require(c.master_format == HALFSTEP_MASTER_F32 || c.master_format == HALFSTEP_MASTER_BF16_REMAINDER,
+          "halfstep_config.master_format must be HALFSTEP_MASTER_F32 or HALFSTEP_MASTER_BF16_REMAINDER");
+  for (const int32_t f : {c.exp_avg_format, c.exp_avg_sq_format}) {
+    require(f == HALFSTEP_MOMENT_F32 || f == HALFSTEP_MOMENT_BF16,
+            "halfstep_config.exp_avg_format and exp_avg_sq_format must be HALFSTEP_MOMENT_F32 or HALFSTEP_MOMENT_BF16");
+  }
+  require(c.rounding == HALFSTEP_ROUND_NEAREST || c.rounding == HALFSTEP_ROUND_STOCHASTIC,
+          "halfstep_config.rounding must be HALFSTEP_ROUND_NEAREST or HALFSTEP_ROUND_STOCHASTIC");
+  s.state.master = static_cast<halfstep::MasterFormat>(c.master_format);
+  s.state.exp_avg = static_cast<halfstep::MomentFormat>(c.exp_avg_format);
+  s.state.exp_avg_sq = static_cast<halfstep::MomentFormat>(c.exp_avg_sq_format);
+  s.state.rounding = static_cast<halfstep::Rounding>(c.rounding);
+  s.state.seed = c.seed;
   return s;
 }
 
@@ -132,6 +145,11 @@ void halfstep_config_init(halfstep_config* c) {
   c->spike_z_threshold = s.spike.z_threshold;
   c->spike_ema_beta = s.spike.ema_beta;
   c->spike_min_std = s.spike.min_std;
+  c->master_format = static_cast<int32_t>(s.state.master);
+  c->exp_avg_format = static_cast<int32_t>(s.state.exp_avg);
+  c->exp_avg_sq_format = static_cast<int32_t>(s.state.exp_avg_sq);
+  c->rounding = static_cast<int32_t>(s.state.rounding);
+  c->seed = s.state.seed;
 }
 
 void halfstep_group_init(halfstep_group* g) {
@@ -169,7 +187,7 @@ halfstep_status halfstep_create_distributed(const halfstep_tensor* tensors, int6
     for (int64_t t = 0; t < n_tensors; ++t) {
       const halfstep_tensor& c = tensors[t];
       list[static_cast<std::size_t>(t)] = {c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.model, c.numel, c.group,
-                                           c.exclude_from_norm == 0};
+                                           c.duplicate != 0, c.tensor_id, c.offset};
     }
     require(n_comms >= 0 && n_comms <= 64, "n_comms must be in [0, 64]");
     require(n_comms == 0 || comms != nullptr, "comms must not be NULL when n_comms > 0");
@@ -288,11 +306,25 @@ halfstep_status halfstep_set_group(halfstep_optimizer* opt, int32_t group, const
 }
 
 halfstep_status halfstep_set_gradients(halfstep_optimizer* opt, const void* const* grads, int64_t n_tensors,
-                                       void* stream) {
+                                       void* stream, uint64_t key) {
   return guarded([&] {
     require(opt != nullptr, "opt must not be NULL");
     require(n_tensors >= 0 && (grads != nullptr || n_tensors == 0), "grads must point to n_tensors >= 0 pointers");
-    opt->opt.set_gradients(std::vector<const void*>(grads, grads + n_tensors), static_cast<halfstep::Stream>(stream));
+    opt->opt.set_gradients(std::vector<const void*>(grads, grads + n_tensors), static_cast<halfstep::Stream>(stream),
+                           key);
+  });
+}
+
+halfstep_status halfstep_state_bytes_of(const halfstep_config* config, int32_t model_copy, halfstep_state_bytes* out) {
+  return guarded([&] {
+    require(config != nullptr && out != nullptr, "config and out must not be NULL");
+    const halfstep_group g = [] {
+      halfstep_group h;
+      halfstep_group_init(&h);
+      return h;
+    }();
+    const halfstep::StateBytes b = halfstep::state_bytes(step_config(&g, 1, *config), model_copy != 0);
+    *out = halfstep_state_bytes{b.state, b.gradient, b.model, b.moved};
   });
 }
 

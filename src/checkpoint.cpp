@@ -1,4 +1,4 @@
-// Checkpoint format, version 3 (version 2 is read too):
+// Checkpoint format, version 4 (versions 2 and 3 are read too):
 //   "HSTP" | u32 version | u32 payload bytes | payload | u32 CRC-32 (zlib) of everything before it
 // Payload, little-endian: the fields listed in visit_state, then those in visit_config, the number
 // of groups (u32), then each group's fields as listed in visit_group, in that order, each as its
@@ -71,6 +71,24 @@ template <>
 struct Wire<std::int32_t> : AsBits<std::int32_t, std::uint32_t> {};
 template <>
 struct Wire<std::int64_t> : AsBits<std::int64_t, std::uint64_t> {};
+template <>
+struct Wire<std::uint64_t> : AsBits<std::uint64_t, std::uint64_t> {};
+
+// A one-byte enumeration whose codes 0 .. count - 1 are valid.
+template <class E, std::uint64_t kCount>
+struct AsCode {
+  static constexpr std::size_t bytes = 1;
+  static std::uint64_t bits(E x) { return static_cast<std::uint8_t>(x); }
+  static E value(std::uint64_t stored) { return static_cast<E>(stored); }
+  static bool valid(std::uint64_t stored) { return stored < kCount; }
+  static constexpr const char* rule = " is not a known code, got ";
+};
+template <>
+struct Wire<MasterFormat> : AsCode<MasterFormat, 2> {};
+template <>
+struct Wire<MomentFormat> : AsCode<MomentFormat, 2> {};
+template <>
+struct Wire<Rounding> : AsCode<Rounding, 2> {};
 
 template <>
 struct Wire<bool> {
@@ -163,6 +181,14 @@ void visit_config(V& v, C&... c) {
   v.field({"SpikeConfig.action", spike}, c.spike.action...);
   v.field({"SpikeConfig.min_std", spike}, c.spike.min_std...);
   v.field({"SpikeConfig.max_consecutive", spike}, c.spike.max_consecutive...);
+  // How the state was held: informative (the buffers are another's to convert: load_checkpoint,
+  // halfstep.torch; the rounding is the loading optimizer's own choice), and the seed, which
+  // load_state restores so that stochastic rounding draws the bits it would have drawn.
+  v.field({"StateFormat.master", nullptr, 4}, c.state.master...);
+  v.field({"StateFormat.exp_avg", nullptr, 4}, c.state.exp_avg...);
+  v.field({"StateFormat.exp_avg_sq", nullptr, 4}, c.state.exp_avg_sq...);
+  v.field({"StateFormat.rounding", nullptr, 4}, c.state.rounding...);
+  v.field({"StateFormat.seed", nullptr, 4}, c.state.seed...);
 }
 
 // One group. The names are completed by the visitor: "AdamWConfig.beta1" when decoding,
@@ -290,6 +316,9 @@ class Matcher {
     return x;
   }
   static std::string_view shown(DType d) { return dtype_name(d); }
+  static std::string_view shown(MasterFormat f) { return master_format_name(f); }
+  static std::string_view shown(MomentFormat f) { return moment_format_name(f); }
+  static std::string_view shown(Rounding r) { return rounding_name(r); }
   std::string scope_;
 };
 
@@ -344,6 +373,7 @@ SavedState decode_state(std::string_view bytes) {
 
   Reader r(bytes.substr(kHeaderBytes), version);
   SavedState out;
+  out.version = version;
   visit_state(r, out.state);
   visit_config(r, out.config);
   (void)r.u32();  // the group count, read above

@@ -52,7 +52,14 @@ Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int
             const ParamTensor& flat, DType grad_dtype) {
   detail::require(grad_dtype == DType::f16 || grad_dtype == DType::bf16 || grad_dtype == DType::f32,
                   "grad_dtype must be f16, bf16 or f32, got code ", static_cast<int>(grad_dtype));
-  const auto grad_bytes = static_cast<std::int64_t>(element_size(grad_dtype));
+  StepConfig config;  // fp32 state, a 16-bit model copy
+  config.grad_dtype = grad_dtype;
+  return shard(layout, begin, end, flat, config);
+}
+
+Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
+            const ParamTensor& flat, const StepConfig& config) {
+  const auto slots = slot_layouts(config);
   std::int64_t total = 0;
   for (std::size_t t = 0; t < layout.size(); ++t) {
     detail::require(layout[t].numel >= 0, "layout[", t, "].numel must be >= 0, got ", layout[t].numel);
@@ -71,12 +78,14 @@ Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int
     if (lo < hi) {
       const std::int64_t into_flat = lo - begin;
       ParamTensor p = layout[t];
-      p.master = flat.master + into_flat;
-      p.grad = static_cast<const unsigned char*>(flat.grad) + into_flat * grad_bytes;
-      p.exp_avg = flat.exp_avg + into_flat;
-      p.exp_avg_sq = flat.exp_avg_sq + into_flat;
-      p.model = flat.model != nullptr ? static_cast<std::uint16_t*>(flat.model) + into_flat : nullptr;
+      for (const SlotLayout& slot : slots) {  // each buffer at its own element size; a null one stays null
+        auto* base = static_cast<unsigned char*>(const_cast<void*>(slot_pointer(flat, slot.slot)));
+        set_slot_pointer(p, slot.slot, base != nullptr ? base + into_flat * static_cast<std::int64_t>(slot.element_bytes) : nullptr);
+      }
       p.numel = hi - lo;
+      // Stochastic rounding keys an element by its tensor and its index in it, never by the cut.
+      p.tensor_id = layout[t].tensor_id != 0 ? layout[t].tensor_id : static_cast<std::uint32_t>(t + 1);
+      p.offset = layout[t].offset + (lo - at);
       s.tensors.push_back(p);
       s.source.push_back(static_cast<std::int32_t>(t));
       s.offset.push_back(lo - at);

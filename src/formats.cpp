@@ -8,18 +8,20 @@ namespace halfstep {
 namespace {
 
 struct Layout16 {
+  FormatBits bits;
   int exponent_bits;  // 5 for binary16, 8 for bfloat16
   int fraction_bits;  // stored significand bits: 10 and 7
-  int bias() const { return (1 << (exponent_bits - 1)) - 1; }
+  constexpr explicit Layout16(DType dtype)
+      : bits(format_bits(dtype)), exponent_bits(bits.exponent_bits), fraction_bits(bits.fraction_bits) {}
+  int bias() const { return bits.bias(); }
   int min_exponent() const { return 1 - bias(); }  // exponent of the smallest normal
-  std::uint16_t exponent_mask() const {
-    return static_cast<std::uint16_t>(((1u << exponent_bits) - 1u) << fraction_bits);
-  }
-  std::uint16_t fraction_mask() const { return static_cast<std::uint16_t>((1u << fraction_bits) - 1u); }
+  std::uint16_t exponent_mask() const { return static_cast<std::uint16_t>(bits.exponent); }
+  std::uint16_t fraction_mask() const { return static_cast<std::uint16_t>(bits.fraction); }
+  std::uint16_t sign_mask() const { return static_cast<std::uint16_t>(bits.sign); }
 };
 
-constexpr Layout16 kF16{5, 10};
-constexpr Layout16 kBF16{8, 7};
+constexpr Layout16 kF16{DType::f16};
+constexpr Layout16 kBF16{DType::bf16};
 
 // Rounds a non-negative double below 2^53 to the nearest integer, ties to even, without relying
 // on the floating-point environment's rounding mode.
@@ -32,7 +34,7 @@ double round_half_even(double q) {
 }
 
 std::uint16_t encode(const Layout16& f, double x) {
-  const std::uint16_t sign = std::signbit(x) ? static_cast<std::uint16_t>(0x8000u) : std::uint16_t{0};
+  const std::uint16_t sign = std::signbit(x) ? f.sign_mask() : std::uint16_t{0};
   if (std::isnan(x)) {  // quiet NaN: all exponent bits and the top fraction bit
     return static_cast<std::uint16_t>(sign | f.exponent_mask() | (1u << (f.fraction_bits - 1)));
   }
@@ -56,7 +58,7 @@ std::uint16_t encode(const Layout16& f, double x) {
 }
 
 double decode(const Layout16& f, std::uint16_t bits) {
-  const bool negative = (bits & 0x8000u) != 0;
+  const bool negative = (bits & f.sign_mask()) != 0;
   const int exponent_field = (bits & f.exponent_mask()) >> f.fraction_bits;
   const int fraction = bits & f.fraction_mask();
   double magnitude;

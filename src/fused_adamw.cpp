@@ -1,4 +1,4 @@
-// FusedAdamW: the public class forwards to a backend (src/cuda_step.cpp, src/reference_step.cpp).
+// FusedAdamW: the public class forwards to a backend (src/cuda_backend.cpp, src/reference_backend.cpp).
 #include "halfstep/fused_adamw.hpp"
 
 #include "check.hpp"
@@ -79,10 +79,10 @@ void FusedAdamW::set_group(std::int32_t group, const AdamWConfig& h, Stream stre
   i.set_group(group, h, stream);
 }
 
-void FusedAdamW::set_gradients(const std::vector<const void*>& grads, Stream stream) {
+void FusedAdamW::set_gradients(const std::vector<const void*>& grads, Stream stream, std::uint64_t key) {
   Impl& i = impl();
   detail::validate_gradients(i.tensors(), i.config(), i.written, grads);
-  i.set_gradients(grads, stream);
+  i.set_gradients(grads, stream, key);
 }
 
 void FusedAdamW::mark_unscaled(Stream stream) { impl().mark_unscaled(stream); }
@@ -115,7 +115,7 @@ void FusedAdamW::set_state(const OptimizerState& state) {
   std::vector<AdamWConfig> groups = i.config().groups;  // with the rates as the next step reads them
   const std::vector<float> lr = i.learning_rates();
   for (std::size_t g = 0; g < groups.size(); ++g) groups[g].lr = lr[g];
-  i.restore(state, groups);
+  i.restore(state, groups, i.config().state.rounding, i.config().state.seed);
 }
 
 std::string FusedAdamW::save_state() {
@@ -133,7 +133,10 @@ std::string FusedAdamW::save_state() {
 void FusedAdamW::load_state(std::string_view bytes) {
   Impl& i = impl();
   const SavedState saved = halfstep::load_state(bytes, i.config());  // throws before anything changes
-  i.restore(saved.state, saved.config.groups);
+  // The seed is the run's (versions before 4 recorded none: this optimizer's stays); the rounding
+  // is this optimizer's configuration, as every other format choice.
+  const std::uint64_t seed = saved.version >= 4 ? saved.config.state.seed : i.config().state.seed;
+  i.restore(saved.state, saved.config.groups, i.config().state.rounding, seed);
 }
 
 const StepConfig& FusedAdamW::config() const { return impl().config(); }

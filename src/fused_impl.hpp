@@ -47,9 +47,10 @@ struct FusedAdamW::Impl {
   virtual OptimizerState state() = 0;
   /// The learning rate of each group as the next step will read it (waits for the last step).
   virtual std::vector<float> learning_rates() = 0;
-  /// Replaces the state and every group's hyperparameters (checked by halfstep::load_state
-  /// before: the groups' flags are this optimizer's).
-  virtual void restore(const OptimizerState& state, const std::vector<AdamWConfig>& groups) = 0;
+  /// Replaces the state, every group's hyperparameters and the rounding of the state formats and
+  /// its seed (checked by halfstep::load_state before: the groups' flags are this optimizer's).
+  virtual void restore(const OptimizerState& state, const std::vector<AdamWConfig>& groups, Rounding rounding,
+                       std::uint64_t seed) = 0;
   virtual const StepConfig& config() const = 0;
   virtual const std::vector<ParamTensor>& tensors() const = 0;
   virtual std::int64_t chunk_count() const = 0;
@@ -65,7 +66,7 @@ struct FusedAdamW::Impl {
   /// A group's hyperparameters from the next step on (checked by FusedAdamW::set_group).
   virtual void set_group(std::int32_t group, const AdamWConfig& h, Stream stream) = 0;
   /// New gradient pointers from the next step on (checked by FusedAdamW::set_gradients).
-  virtual void set_gradients(const std::vector<const void*>& grads, Stream stream) = 0;
+  virtual void set_gradients(const std::vector<const void*>& grads, Stream stream, std::uint64_t key) = 0;
   /// The next step's gradients are already unscaled.
   virtual void mark_unscaled(Stream stream) = 0;
   /// The next step's gradients were scaled by another scaler's scale (FusedAdamW::use_external_scale).

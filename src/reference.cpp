@@ -1,6 +1,8 @@
 // The CPU reference step: scalar loops in double precision, one pass to measure, one to apply.
-// It states every rule of the step on its own, without the kernels' code: the GPU suite compares
-// the kernels against it.
+// It states every rule of the step's arithmetic on its own — the sum of squares, the decision, the
+// update, the storage formats — and the GPU suite compares the kernels against it. What it shares
+// with the kernels is the totals record's format (decode_totals, the fingerprint): an interface
+// between ranks and backends, not step arithmetic.
 #include "halfstep/reference.hpp"
 
 #include <algorithm>
@@ -42,18 +44,18 @@ double grad_value(const ParamTensor& p, DType dtype, std::int64_t i) { return gr
 
 // The value of the magnitude bits of a pattern of the gradient format (its sign bit ignored).
 double magnitude(DType dtype, std::uint32_t bits) {
+  const std::uint32_t m = bits & format_bits(dtype).magnitude();
   if (dtype == DType::f32) {
-    const std::uint32_t m = bits & 0x7FFFFFFFu;
     float x;
     std::memcpy(&x, &m, sizeof x);
     return static_cast<double>(x);
   }
-  return from_bits16(dtype, static_cast<std::uint16_t>(bits & 0x7FFFu));
+  return from_bits16(dtype, static_cast<std::uint16_t>(m));
 }
 
 // A 16-bit pattern is finite unless its exponent field is all ones.
 bool finite_bits16(DType dtype, std::uint16_t bits) {
-  const unsigned exponent = dtype == DType::bf16 ? 0x7F80u : 0x7C00u;
+  const std::uint32_t exponent = format_bits(dtype).exponent;
   return (bits & exponent) != exponent;
 }
 
@@ -85,42 +87,122 @@ SkipReason update_range(const StepConfig& config, double g_max, std::int64_t t) 
   return SkipReason::none;
 }
 
-// AdamW on every element of one tensor. `coef` is clip / S: it unscales and clips at once. An
-// element whose new master, moments or model copy would not be finite keeps its old values;
-// returns how many did.
-std::int64_t apply_tensor(const ParamTensor& p, const StepConfig& config, double coef, std::int64_t t) {
+// ---- the state formats, as stored (the reference's own codec: halfstep/state.hpp states them) ----
+
+float float_of_bits(std::uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+std::uint32_t bits_of_float(float x) {
+  std::uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+// Stochastic rounding's random bits, as docs/design.md states them: splitmix64's finalizer over
+// (seed, applied step), then the tensor's id, then the element's index in the whole tensor.
+std::uint64_t splitmix(std::uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xBF58476D1CE4E5B9ull;
+  z ^= z >> 27;
+  z *= 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+std::uint64_t random_bits(std::uint64_t seed, std::int64_t step, std::uint32_t tensor_id, std::int64_t index) {
+  const std::uint64_t k_step = splitmix(seed ^ splitmix(static_cast<std::uint64_t>(step)));
+  const std::uint64_t k_tensor = splitmix(k_step + std::uint64_t{tensor_id} * 0x9E3779B97F4A7C15ull);
+  return splitmix(k_tensor + static_cast<std::uint64_t>(index) * 0xD1B54A32D192ED03ull);
+}
+
+// A moment's value as stored.
+double moment_value(MomentFormat format, const void* buffer, std::int64_t i) {
+  if (format == MomentFormat::bf16) return from_bf16_bits(static_cast<const std::uint16_t*>(buffer)[i]);
+  return static_cast<const float*>(buffer)[i];
+}
+// The fp32 result `x` as the moment format stores it (16 random bits for stochastic rounding);
+// false if that is not finite.
+bool encode_moment(MomentFormat format, Rounding rounding, float x, std::uint32_t random, std::uint32_t& out) {
+  if (!std::isfinite(x)) return false;
+  if (format == MomentFormat::f32) {
+    out = bits_of_float(x);
+    return true;
+  }
+  const std::uint32_t b = bits_of_float(x);
+  out = rounding == Rounding::stochastic ? (b + (random & 0xFFFFu)) >> 16 : to_bf16_bits(static_cast<double>(x));
+  return finite_bits16(DType::bf16, static_cast<std::uint16_t>(out));
+}
+void store_moment(MomentFormat format, void* buffer, std::int64_t i, std::uint32_t bits) {
+  if (format == MomentFormat::bf16) {
+    static_cast<std::uint16_t*>(buffer)[i] = static_cast<std::uint16_t>(bits);
+  } else {
+    static_cast<float*>(buffer)[i] = float_of_bits(bits);
+  }
+}
+
+// A master's value as stored: fp32, or the bf16 model copy and its int16 remainder.
+double master_value(const StepConfig& config, const ParamTensor& p, std::int64_t i) {
+  if (config.state.master == MasterFormat::bf16_remainder) {
+    return float_of_bits(join_master(static_cast<const std::uint16_t*>(p.model)[i], static_cast<const std::int16_t*>(p.master)[i]));
+  }
+  return static_cast<const float*>(p.master)[i];
+}
+
+// AdamW on every element of one tensor (the `index`-th of the step). `coef` is clip / S: it
+// unscales and clips at once. The arithmetic is in double; its results are stored as the formats
+// say: fp32 first, then the master (with a bf16 model copy, canonical_master's value) and its
+// model copy, and each moment in its format. An element whose stored values would not all be
+// finite keeps its old ones; returns how many did.
+std::int64_t apply_tensor(const ParamTensor& p, std::size_t index, const StepConfig& config, double coef, std::int64_t t) {
   const AdamWConfig& h = config.groups[static_cast<std::size_t>(p.group)];
+  const StateFormat& f = config.state;
   const double lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, wd = h.weight_decay;
   const double bc1 = h.bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(steps_of_group(h, t))) : 1.0;
   const double bc2 = h.bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(steps_of_group(h, t))) : 1.0;
+  const bool remainder = f.master == MasterFormat::bf16_remainder;
+  const bool canonical = p.model != nullptr && config.model_dtype == DType::bf16;
+  const std::uint32_t id = p.tensor_id != 0 ? p.tensor_id : static_cast<std::uint32_t>(index + 1);
   std::int64_t held = 0;
   for (std::int64_t i = 0; i < p.numel; ++i) {
-    double w = p.master[i];
+    double w = master_value(config, p, i);
     double g = grad_value(p, config.grad_dtype, i) * coef;
     if (h.decoupled_weight_decay) {
       w = w * (1.0 - lr * wd);  // decoupled decay shrinks the weight itself
     } else {
       g = g + wd * w;  // classic L2: the decay joins the gradient
     }
-    const double m = beta1 * p.exp_avg[i] + (1.0 - beta1) * g;
-    const double v = beta2 * p.exp_avg_sq[i] + (1.0 - beta2) * g * g;
+    const double m = beta1 * moment_value(f.exp_avg, p.exp_avg, i) + (1.0 - beta1) * g;
+    const double v = beta2 * moment_value(f.exp_avg_sq, p.exp_avg_sq, i) + (1.0 - beta2) * g * g;
     w = w - (lr / bc1) * m / (std::sqrt(v) / std::sqrt(bc2) + eps);
-    const float new_w = static_cast<float>(w), new_m = static_cast<float>(m), new_v = static_cast<float>(v);
-    // The model copy is the stored fp32 master, rounded once.
-    const std::uint16_t model = p.model != nullptr ? to_bits16(config.model_dtype, new_w) : 0;
-    if (!std::isfinite(new_w) || !std::isfinite(new_m) || !std::isfinite(new_v) ||
-        (p.model != nullptr && !finite_bits16(config.model_dtype, model))) {
+    float new_w = static_cast<float>(w);
+    const std::uint64_t random = f.rounding == Rounding::stochastic ? random_bits(f.seed, t, id, p.offset + i) : 0;
+    std::uint32_t m_bits = 0, v_bits = 0;
+    bool finite = std::isfinite(new_w) &&
+                  encode_moment(f.exp_avg, f.rounding, static_cast<float>(m), static_cast<std::uint32_t>(random), m_bits) &&
+                  encode_moment(f.exp_avg_sq, f.rounding, static_cast<float>(v), static_cast<std::uint32_t>(random >> 16),
+                                v_bits);
+    if (finite && canonical) new_w = float_of_bits(canonical_master(bits_of_float(new_w)));
+    // The model copy is the stored fp32 master, rounded once; with remainders, half of it.
+    const std::uint16_t model = finite && p.model != nullptr ? to_bits16(config.model_dtype, new_w) : 0;
+    std::uint16_t split_model = 0;
+    std::int16_t split_rest = 0;
+    if (finite && p.model != nullptr) finite = finite_bits16(config.model_dtype, model);
+    if (finite && remainder) finite = split_master(bits_of_float(new_w), split_model, split_rest) && split_model == model;
+    if (!finite) {
       ++held;
       continue;
     }
-    p.master[i] = new_w;
-    p.exp_avg[i] = new_m;
-    p.exp_avg_sq[i] = new_v;
+    if (remainder) {
+      static_cast<std::int16_t*>(p.master)[i] = split_rest;
+    } else {
+      static_cast<float*>(p.master)[i] = new_w;
+    }
+    store_moment(f.exp_avg, p.exp_avg, i, m_bits);
+    store_moment(f.exp_avg_sq, p.exp_avg_sq, i, v_bits);
     if (p.model != nullptr) static_cast<std::uint16_t*>(p.model)[i] = model;
   }
   return held;
 }
-
 
 // ---- Σg², exactly -------------------------------------------------------------------------
 // Every finite fp16, bf16 or fp32 value is k · 2^e with k an integer below 2^24 and e >= -149, so
@@ -171,9 +253,9 @@ class SquareSum {
 
 // A finite nonzero magnitude as k · 2^e (k an integer): the stored significand and exponent.
 void significand_exponent(DType dtype, std::uint32_t magnitude, std::uint64_t& k, int& e) {
-  const bool f32 = dtype == DType::f32;
-  const int fraction_bits = f32 ? 23 : dtype == DType::bf16 ? 7 : 10;
-  const int bias = f32 || dtype == DType::bf16 ? 127 : 15;
+  const FormatBits f = format_bits(dtype);
+  const int fraction_bits = f.fraction_bits;
+  const int bias = f.bias();
   const int field = static_cast<int>(magnitude >> fraction_bits);
   const std::uint64_t fraction = magnitude & ((1u << fraction_bits) - 1u);
   k = field == 0 ? fraction : fraction | (std::uint64_t{1} << fraction_bits);
@@ -259,12 +341,12 @@ double reference_sum_of_squares(const StepTotals& totals) {
 
 StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                              std::int32_t rank, std::vector<std::int64_t>* nonfinite_per_tensor) {
-  return reference_measure(tensors, config, rank, nonfinite_per_tensor, ScaleInputs{}, config.scaler.init_scale);
+  return reference_measure(tensors, config, rank, nonfinite_per_tensor, ScaleInputs{}, config.scaler.init_scale, 0);
 }
 
 StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                              std::int32_t rank, std::vector<std::int64_t>* nonfinite_per_tensor,
-                             const ScaleInputs& scale, float own_scale) {
+                             const ScaleInputs& scale, float own_scale, std::uint64_t grads_key) {
   if (nonfinite_per_tensor) nonfinite_per_tensor->assign(tensors.size(), 0);
   SquareSum squares;
   std::uint64_t nonfinite = 0, subnormal = 0, zero = 0, numel = 0;
@@ -272,7 +354,7 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
   std::int64_t first_bad = -1;
   // Subnormal: nonzero and below the smallest normal of the format the gradients were computed in.
   const double min_normal = format_info(measured_dtype(config)).min_normal;
-  const std::uint32_t sign = config.grad_dtype == DType::f32 ? 0x80000000u : 0x8000u;
+  const std::uint32_t sign = format_bits(config.grad_dtype).sign;
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     const ParamTensor& p = tensors[t];
     if (p.grad == nullptr) continue;  // no gradient this step: not measured
@@ -285,7 +367,7 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
       }
       const std::uint32_t magnitude = g.bits & (sign - 1u);
       max_bits = std::max(max_bits, magnitude);  // patterns of |x| order as the values do
-      if (!p.in_norm) continue;
+      if (p.duplicate) continue;
       if (g.value == 0.0) {
         ++zero;
         continue;
@@ -299,7 +381,7 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
     if (bad > 0 && first_bad < 0) first_bad = static_cast<std::int64_t>(t);
     if (nonfinite_per_tensor) (*nonfinite_per_tensor)[t] = bad;
     nonfinite += static_cast<std::uint64_t>(bad);
-    if (p.in_norm) numel += static_cast<std::uint64_t>(p.numel);
+    if (!p.duplicate) numel += static_cast<std::uint64_t>(p.numel);
   }
   StepTotals r{};
   const Digits digits = squares.digits();
@@ -321,7 +403,7 @@ StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const Step
   }
   detail::set_fingerprint(r, detail::hyperparameter_fingerprint(params.data(), lr.data(),
                                                                 static_cast<std::int32_t>(params.size()),
-                                                                config.max_grad_norm, scale, own_scale));
+                                                                config.max_grad_norm, scale, own_scale, grads_key));
   return r;
 }
 
@@ -407,8 +489,8 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
 
   // Pass 2: AdamW with the applied-step counter after this step.
   state.step = count_up(state.step);
-  for (const ParamTensor& p : tensors) {
-    if (p.grad != nullptr) r.held_elements += apply_tensor(p, config, clip / S, state.step);  // no gradient: left alone
+  for (std::size_t t = 0; t < tensors.size(); ++t) {  // no gradient: left alone
+    if (tensors[t].grad != nullptr) r.held_elements += apply_tensor(tensors[t], t, config, clip / S, state.step);
   }
   if (!external) state.scaler = next_state(state.scaler, config.scaler, false, r.headroom_log2);
   return finish(Outcome::applied, SkipReason::none);

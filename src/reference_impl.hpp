@@ -21,7 +21,7 @@ StepReport reference_step(const std::vector<ParamTensor>& tensors, const StepCon
 /// scaled and `own_scale` is the optimizer's loss scale: the fingerprint covers them.
 StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                              std::int32_t rank, std::vector<std::int64_t>* nonfinite_per_tensor,
-                             const ScaleInputs& scale, float own_scale);
+                             const ScaleInputs& scale, float own_scale, std::uint64_t grads_key);
 /// The same for gradients scaled by the initial loss scale of `config`.
 StepTotals reference_measure(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                              std::int32_t rank, std::vector<std::int64_t>* nonfinite_per_tensor);

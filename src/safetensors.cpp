@@ -37,22 +37,21 @@ using Json = nlohmann::ordered_json;
 // What a stored tensor is to one of the optimizer's tensors.
 enum class Role { master, exp_avg, exp_avg_sq, model };
 
-// One stored tensor: a part (master, moment or model copy) of one of the optimizer's tensors.
+// One stored tensor: a part (master, moment or model copy) of one of the optimizer's tensors. In
+// the file a master is always its fp32 values (with remainders: rebuilt from the model copy), a
+// moment its stored format's, a model copy its format's.
 struct Part {
   std::string name;
-  const char* dtype;   // "F32", "F16" or "BF16"
-  void* data;          // the optimizer's buffer (device memory for Backend::cuda)
-  std::size_t bytes;
-  std::int64_t numel;
   Role role;
-  bool has_model;      // the tensor has a model copy, which its master must round to finitely
-  std::size_t master;  // the index of the same tensor's master among the parts
+  std::size_t tensor;       // the optimizer's tensor it belongs to
+  std::int64_t numel;
+  bool has_model;           // the tensor has a model copy, which its master must round to finitely
   std::int64_t offset = 0;  // loading a shard: the first element of the stored tensor it takes
-  std::size_t elem = 0;     // bytes per element
   bool slice = false;       // loading a shard: the stored tensor may be longer
 };
 
-const char* dtype_code(DType d) { return d == DType::bf16 ? "BF16" : "F16"; }
+const char* model_code(DType d) { return d == DType::bf16 ? "BF16" : "F16"; }
+const char* moment_code(MomentFormat f) { return f == MomentFormat::bf16 ? "BF16" : "F32"; }
 
 // The stored parts of each of opt's tensors. With a shard, tensor t is elements [offset[t], ...)
 // of the stored tensor names[source[t]], and pieces of one stored tensor may repeat its name.
@@ -84,48 +83,63 @@ std::vector<Part> parts_of(const FusedAdamW& opt, const std::vector<std::string>
     }
     const std::string& base = names[name_index];
     require(!base.empty(), "names[", name_index, "] is empty");
-    const auto n = static_cast<std::size_t>(p.numel);
-    const std::size_t master = parts.size();
-    auto add = [&](const std::string& name, const char* dtype, void* data, std::size_t elem, Role role) {
+    auto add = [&](const std::string& name, Role role) {
       require(name != "__metadata__" && (shard != nullptr || seen.insert(name).second), "names[", t,
               "] makes the tensor name '", name,
               "' twice (names must be distinct, also with the suffixes .exp_avg, .exp_avg_sq, .model)");
-      parts.push_back(Part{name, dtype, data, n * elem, p.numel, role, p.model != nullptr, master, offset, elem,
-                           shard != nullptr});
+      parts.push_back(Part{name, role, t, p.numel, p.model != nullptr, offset, shard != nullptr});
     };
-    add(base, "F32", p.master, 4, Role::master);
-    add(base + ".exp_avg", "F32", p.exp_avg, 4, Role::exp_avg);
-    add(base + ".exp_avg_sq", "F32", p.exp_avg_sq, 4, Role::exp_avg_sq);
-    if (p.model != nullptr && include_model) {
-      add(base + ".model", dtype_code(opt.config().model_dtype), p.model, 2, Role::model);
-    }
+    add(base, Role::master);
+    add(base + ".exp_avg", Role::exp_avg);
+    add(base + ".exp_avg_sq", Role::exp_avg_sq);
+    if (p.model != nullptr && include_model) add(base + ".model", Role::model);
   }
   return parts;
 }
 
-// Why part p's values (its bytes, in host memory) cannot be in a checkpoint, or "" if they can.
-// Refused is what a step never writes and what would make steps report `applied` over garbage:
-// a master or moment that is not finite, a negative second moment (√v), a master whose model copy
-// would not be finite (every step would hold it: past 65504 for fp16), a model copy that is inf
-// or NaN. Elements are counted in the stored tensor.
-std::string bad_value(const Part& p, const char* bytes, DType model_dtype) {
-  const auto n = static_cast<std::size_t>(p.numel);
+// A part's values as checkpoints speak of them: fp32 values (masters and moments, whatever their
+// stored format) or a model copy's patterns.
+struct Values {
+  std::vector<float> f;
+  std::vector<std::uint16_t> bits;
+};
+
+float bf16_float(std::uint16_t b) {
+  const std::uint32_t w = static_cast<std::uint32_t>(b) << 16;
+  float x;
+  std::memcpy(&x, &w, 4);
+  return x;
+}
+std::uint32_t float_bits(float x) {
+  std::uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+float bits_float(std::uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// Why part p's values cannot be in a checkpoint, or "" if they can. Refused is what a step never
+// writes and what would make steps report `applied` over garbage: a master or moment that is not
+// finite, a negative second moment (√v), a master whose model copy would not be finite (every step
+// would hold it: past 65504 for fp16), a model copy that is inf or NaN. Elements are counted in
+// the stored tensor.
+std::string bad_value(const Part& p, const Values& v, DType model_dtype) {
   const auto first = static_cast<std::size_t>(p.offset);
   if (p.role == Role::model) {
-    for (std::size_t i = 0; i < n; ++i) {
-      std::uint16_t b;
-      std::memcpy(&b, bytes + 2 * i, 2);
-      const BitClass k = classify_bits16(model_dtype, b);
+    for (std::size_t i = 0; i < v.bits.size(); ++i) {
+      const BitClass k = classify_bits16(model_dtype, v.bits[i]);
       if (k == BitClass::infinite || k == BitClass::nan) {
         return concat("element ", first + i, " is ", k == BitClass::nan ? "NaN" : "infinite", " (", dtype_name(model_dtype),
-                      " bits 0x", std::hex, b, std::dec, "): a model copy must be finite");
+                      " bits 0x", std::hex, v.bits[i], std::dec, "): a model copy must be finite");
       }
     }
     return "";
   }
-  for (std::size_t i = 0; i < n; ++i) {
-    float x;
-    std::memcpy(&x, bytes + 4 * i, 4);
+  for (std::size_t i = 0; i < v.f.size(); ++i) {
+    const float x = v.f[i];
     if (!detail::finite(x)) {
       return concat("element ", first + i, " is ", x, ": ",
                     p.role == Role::master ? "a master" : "a moment", " must be finite");
@@ -140,6 +154,93 @@ std::string bad_value(const Part& p, const char* bytes, DType model_dtype) {
     }
   }
   return "";
+}
+
+// Copies `n` elements of `bytes` each out of one of opt's buffers.
+std::vector<char> copy_out(FusedAdamW& opt, const void* buffer, std::size_t n, std::size_t bytes) {
+  std::vector<char> out(n * bytes);
+  detail::FusedAccess::impl(opt).copy_out(out.data(), buffer, out.size());
+  return out;
+}
+
+// Part p's values as opt holds them (masters rebuilt from remainders).
+Values read_part(FusedAdamW& opt, const Part& p) {
+  const ParamTensor& t = opt.tensors()[p.tensor];
+  const StateFormat& f = opt.config().state;
+  const auto n = static_cast<std::size_t>(p.numel);
+  Values v;
+  auto floats = [&](const void* buffer, bool bf16) {
+    const std::vector<char> raw = copy_out(opt, buffer, n, bf16 ? 2 : 4);
+    v.f.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (bf16) {
+        std::uint16_t b;
+        std::memcpy(&b, raw.data() + 2 * i, 2);
+        v.f[i] = bf16_float(b);
+      } else {
+        std::memcpy(&v.f[i], raw.data() + 4 * i, 4);
+      }
+    }
+  };
+  switch (p.role) {
+    case Role::master:
+      if (f.master == MasterFormat::bf16_remainder) {
+        const std::vector<char> rest = copy_out(opt, t.master, n, 2), model = copy_out(opt, t.model, n, 2);
+        v.f.resize(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          std::int16_t r;
+          std::uint16_t m;
+          std::memcpy(&r, rest.data() + 2 * i, 2);
+          std::memcpy(&m, model.data() + 2 * i, 2);
+          v.f[i] = bits_float(join_master(m, r));
+        }
+      } else {
+        floats(t.master, false);
+      }
+      break;
+    case Role::exp_avg: floats(t.exp_avg, f.exp_avg == MomentFormat::bf16); break;
+    case Role::exp_avg_sq: floats(t.exp_avg_sq, f.exp_avg_sq == MomentFormat::bf16); break;
+    case Role::model: {
+      const std::vector<char> raw = copy_out(opt, t.model, n, 2);
+      v.bits.resize(n);
+      std::memcpy(v.bits.data(), raw.data(), raw.size());
+      break;
+    }
+  }
+  return v;
+}
+
+// The dtype a part has in a file this optimizer writes.
+const char* stored_dtype(const FusedAdamW& opt, const Part& p) {
+  const StateFormat& f = opt.config().state;
+  switch (p.role) {
+    case Role::master: return "F32";
+    case Role::exp_avg: return moment_code(f.exp_avg);
+    case Role::exp_avg_sq: return moment_code(f.exp_avg_sq);
+    case Role::model: return model_code(opt.config().model_dtype);
+  }
+  return "";
+}
+
+// Part p's values as the file stores them.
+std::string file_bytes(const FusedAdamW& opt, const Part& p, const Values& v) {
+  std::string out;
+  if (p.role == Role::model) {
+    out.resize(2 * v.bits.size());
+    std::memcpy(out.data(), v.bits.data(), out.size());
+    return out;
+  }
+  const bool bf16 = std::strcmp(stored_dtype(opt, p), "BF16") == 0;
+  out.resize((bf16 ? 2 : 4) * v.f.size());
+  for (std::size_t i = 0; i < v.f.size(); ++i) {
+    if (bf16) {
+      const auto b = static_cast<std::uint16_t>(float_bits(v.f[i]) >> 16);  // exact: a bf16 moment's value
+      std::memcpy(out.data() + 2 * i, &b, 2);
+    } else {
+      std::memcpy(out.data() + 4 * i, &v.f[i], 4);
+    }
+  }
+  return out;
 }
 
 // errno's text, for messages about files.
@@ -249,14 +350,18 @@ void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, con
   check_target(path, tmp);
   const std::string state = opt.save_state();  // waits for the last step
 
-  // The 4-byte tensors first, then the 2-byte model copies: every tensor starts at a multiple of
-  // its element size (an odd-length model copy would misalign the masters after it).
-  std::stable_partition(parts.begin(), parts.end(), [](const Part& p) { return p.elem == 4; });
+  // The 4-byte tensors first, then the 2-byte ones (model copies, bf16 moments): every tensor
+  // starts at a multiple of its element size (an odd-length model copy would misalign the masters
+  // after it).
+  auto bytes_of = [&](const Part& p) {
+    return static_cast<std::uint64_t>(p.numel) * (std::strcmp(stored_dtype(opt, p), "F32") == 0 ? 4u : 2u);
+  };
+  std::stable_partition(parts.begin(), parts.end(), [&](const Part& p) { return std::strcmp(stored_dtype(opt, p), "F32") == 0; });
   Json header = Json::object();
   std::uint64_t offset = 0;
   for (const Part& p : parts) {
-    header[p.name] = {{"dtype", p.dtype}, {"shape", {p.numel}}, {"data_offsets", {offset, offset + p.bytes}}};
-    offset += p.bytes;
+    header[p.name] = {{"dtype", stored_dtype(opt, p)}, {"shape", {p.numel}}, {"data_offsets", {offset, offset + bytes_of(p)}}};
+    offset += bytes_of(p);
   }
   Json meta = Json::object();
   meta[kVersionKey] = version();
@@ -271,17 +376,16 @@ void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, con
   for (int i = 0; i < 8; ++i) size[i] = static_cast<unsigned char>((static_cast<std::uint64_t>(text.size()) >> (8 * i)) & 0xFFu);
   f.write(size, 8);
   f.write(text.data(), text.size());
-  std::vector<char> buffer;
-  for (const Part& p : parts) {
-    buffer.resize(p.bytes);
-    detail::FusedAccess::impl(opt).copy_out(buffer.data(), p.data, p.bytes);
+  for (const Part& p : parts) {  // one part at a time through the host
+    const Values v = read_part(opt, p);
     // A checkpoint that could not be loaded is never written.
-    const std::string bad = bad_value(p, buffer.data(), opt.config().model_dtype);
+    const std::string bad = bad_value(p, v, opt.config().model_dtype);
     if (!bad.empty()) {
       throw Error(ErrorKind::usage, concat("save_checkpoint: the optimizer cannot be checkpointed: tensor '", p.name,
                                            "' ", bad));
     }
-    f.write(buffer.data(), p.bytes);
+    const std::string bytes = file_bytes(opt, p, v);
+    f.write(bytes.data(), bytes.size());
   }
   f.finish();
   f.replace_target();
@@ -309,6 +413,28 @@ std::map<std::string, std::string> checkpoint_metadata(const std::string& path) 
 
 namespace {
 
+// Part p's values in a file's tensor of dtype `dtype` (one load_parts accepted), decoded.
+void decode_part(const Part& p, const std::string& dtype, const std::vector<char>& raw, Values& v) {
+  const auto n = static_cast<std::size_t>(p.numel);
+  if (p.role == Role::model) {
+    v.bits.resize(n);
+    std::memcpy(v.bits.data(), raw.data(), 2 * n);
+    return;
+  }
+  v.f.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (dtype == "BF16") {
+      std::uint16_t b;
+      std::memcpy(&b, raw.data() + 2 * i, 2);
+      v.f[i] = bf16_float(b);
+    } else {
+      std::memcpy(&v.f[i], raw.data() + 4 * i, 4);
+    }
+  }
+}
+
+std::size_t dtype_bytes(const std::string& dtype) { return dtype == "F32" ? 4 : 2; }
+
 std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector<Part>& parts, const std::string& path) {
   // Read and check everything first: the header, the state, then every part's values in host
   // memory. Only then is anything written.
@@ -321,12 +447,16 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
     corrupt(path, e.what());
   }
 
-  const DType model_dtype = opt.config().model_dtype;
+  const StepConfig& config = opt.config();
+  const DType model_dtype = config.model_dtype;
+  const bool remainder = config.state.master == MasterFormat::bf16_remainder;
   const std::uint64_t data_start = 8 + h.header_bytes;
-  std::vector<std::vector<char>> values(parts.size());
+  std::vector<Values> values(parts.size());
   std::vector<bool> present(parts.size(), false);
+  std::vector<std::size_t> master_of(opt.tensors().size(), parts.size());
   for (std::size_t k = 0; k < parts.size(); ++k) {
     const Part& p = parts[k];
+    if (p.role == Role::master) master_of[p.tensor] = k;
     const auto it = h.tensors.find(p.name);
     if (it == h.tensors.end()) {
       if (p.role != Role::model) corrupt(path, concat("no tensor '", p.name, "'"));
@@ -334,39 +464,79 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
     }
     const detail::SafetensorsEntry& e = it->second;
     const auto where = concat("tensor '", p.name, "'");
-    if (e.dtype != p.dtype) corrupt(path, concat(where, " is ", e.dtype, ", this optimizer needs ", p.dtype));
+    // A master is stored as F32, a moment as F32 or BF16 (converted to this optimizer's format), a
+    // model copy in this optimizer's model format.
+    const std::string model = model_code(model_dtype);
+    const bool accepted = p.role == Role::model ? e.dtype == model
+                          : e.dtype == "F32" || (p.role != Role::master && e.dtype == "BF16");
+    if (!accepted) {
+      corrupt(path, concat(where, " is ", e.dtype, ", this optimizer needs ",
+                           p.role == Role::model ? model : p.role == Role::master ? "F32" : "F32 or BF16"));
+    }
     const std::uint64_t wanted = static_cast<std::uint64_t>(p.offset) + static_cast<std::uint64_t>(p.numel);
     if (p.slice ? e.numel < wanted : e.numel != wanted) {
       corrupt(path, p.slice ? concat(where, " has ", e.numel, " elements; this shard needs [", p.offset, ", ", wanted, ")")
                             : concat(where, " has ", e.numel, " elements, this optimizer's tensor has ", p.numel));
     }
-    std::vector<char>& v = values[k];
-    v.resize(p.bytes);
-    f.seekg(static_cast<std::streamoff>(data_start + e.begin + static_cast<std::uint64_t>(p.offset) * p.elem));
-    f.read(v.data(), static_cast<std::streamsize>(p.bytes));
+    const std::size_t elem = dtype_bytes(e.dtype);
+    std::vector<char> raw(static_cast<std::size_t>(p.numel) * elem);
+    f.seekg(static_cast<std::streamoff>(data_start + e.begin + static_cast<std::uint64_t>(p.offset) * elem));
+    f.read(raw.data(), static_cast<std::streamsize>(raw.size()));
     if (!f) corrupt(path, concat("reading ", where, " failed"));
-    const std::string bad = bad_value(p, v.data(), model_dtype);
+    decode_part(p, e.dtype, raw, values[k]);
+    // With a bf16 model copy a master is canonical (halfstep::canonical_master): what a step of
+    // either master format would have stored, so that both resume alike.
+    if (p.role == Role::master && p.has_model && model_dtype == DType::bf16) {
+      for (float& x : values[k].f) {
+        if (detail::finite(x)) x = bits_float(canonical_master(float_bits(x)));
+      }
+    }
+    const std::string bad = bad_value(p, values[k], model_dtype);
     if (!bad.empty()) corrupt(path, concat(where, " ", bad));
     present[k] = true;
   }
-  // Model copies the file lacks: the restored masters rounded, as a step would (finite: checked).
+
+  // Then write: buffers and the state. Model copies the file lacks are the restored masters
+  // rounded, as a step would write them; with remainders the model copy is half of the master.
+  FusedAdamW::Impl& backend = detail::FusedAccess::impl(opt);
   for (std::size_t k = 0; k < parts.size(); ++k) {
     const Part& p = parts[k];
-    if (present[k] || p.role != Role::model) continue;
-    const std::vector<char>& master = values[p.master];
-    std::vector<char>& v = values[k];
-    v.resize(p.bytes);
-    for (std::size_t i = 0; i < static_cast<std::size_t>(p.numel); ++i) {
-      float x;
-      std::memcpy(&x, master.data() + 4 * i, 4);
-      const std::uint16_t b = to_bits16(model_dtype, x);
-      std::memcpy(v.data() + 2 * i, &b, 2);
+    const ParamTensor& t = opt.tensors()[p.tensor];
+    const auto n = static_cast<std::size_t>(p.numel);
+    if (p.role == Role::model) {
+      if (remainder) continue;  // written with the master
+      std::vector<std::uint16_t> bits = values[k].bits;
+      if (!present[k]) {
+        const std::vector<float>& master = values[master_of[p.tensor]].f;
+        bits.resize(n);
+        for (std::size_t i = 0; i < n; ++i) bits[i] = to_bits16(model_dtype, master[i]);
+      }
+      backend.copy_in(t.model, bits.data(), 2 * n);
+      continue;
+    }
+    const std::vector<float>& x = values[k].f;
+    if (p.role == Role::master && remainder) {
+      std::vector<std::int16_t> rest(n);
+      std::vector<std::uint16_t> model(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const bool ok = split_master(float_bits(x[i]), model[i], rest[i]);
+        require(ok, "load_checkpoint: master ", i, " of tensor '", p.name, "' does not split");  // canonical, finite: it does
+      }
+      backend.copy_in(t.master, rest.data(), 2 * n);
+      backend.copy_in(t.model, model.data(), 2 * n);
+      continue;
+    }
+    const MomentFormat format = p.role == Role::exp_avg ? config.state.exp_avg
+                                : p.role == Role::exp_avg_sq ? config.state.exp_avg_sq : MomentFormat::f32;
+    void* buffer = p.role == Role::master ? t.master : p.role == Role::exp_avg ? t.exp_avg : t.exp_avg_sq;
+    if (format == MomentFormat::bf16) {  // an fp32 moment rounds once, to nearest even; a bf16 one is exact
+      std::vector<std::uint16_t> b(n);
+      for (std::size_t i = 0; i < n; ++i) b[i] = to_bf16_bits(static_cast<double>(x[i]));
+      backend.copy_in(buffer, b.data(), 2 * n);
+    } else {
+      backend.copy_in(buffer, x.data(), 4 * n);
     }
   }
-
-  // Then write: buffers and the state.
-  FusedAdamW::Impl& backend = detail::FusedAccess::impl(opt);
-  for (std::size_t k = 0; k < parts.size(); ++k) backend.copy_in(parts[k].data, values[k].data(), parts[k].bytes);
   opt.load_state(h.state);
   return h.metadata;
 }

@@ -59,6 +59,17 @@ void StepConfig::validate() const {
           max_grad_norm);
   scaler.validate();
   spike.validate();
+  require(state.master == MasterFormat::f32 || state.master == MasterFormat::bf16_remainder,
+          "StepConfig.state.master must be f32 or bf16_remainder, got code ", static_cast<int>(state.master));
+  require(state.master != MasterFormat::bf16_remainder || model_dtype == DType::bf16,
+          "StepConfig.state.master = bf16_remainder needs a bf16 model copy (the master is the bf16 model copy and "
+          "an int16 remainder), but StepConfig.model_dtype is ", dtype_name(model_dtype));
+  for (const auto& [name, format] : {std::pair{"exp_avg", state.exp_avg}, std::pair{"exp_avg_sq", state.exp_avg_sq}}) {
+    require(format == MomentFormat::f32 || format == MomentFormat::bf16, "StepConfig.state.", name,
+            " must be f32 or bf16, got code ", static_cast<int>(format));
+  }
+  require(state.rounding == Rounding::nearest || state.rounding == Rounding::stochastic,
+          "StepConfig.state.rounding must be nearest or stochastic, got code ", static_cast<int>(state.rounding));
 }
 
 namespace {
@@ -90,9 +101,8 @@ void check_buffer(std::vector<Span>& spans, std::size_t t, const char* field, co
 void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config) {
   config.validate();
   std::vector<Span> spans;
-  spans.reserve(tensors.size() * 5);
-  const std::size_t grad_bytes = element_size(config.grad_dtype);
-  const std::size_t model_bytes = element_size(config.model_dtype);
+  spans.reserve(tensors.size() * kSlotCount);
+  const auto slots = slot_layouts(config);
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     const ParamTensor& p = tensors[t];
     require(p.numel >= 0, "tensors[", t, "].numel must be >= 0, got ", p.numel);
@@ -102,11 +112,11 @@ void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config)
     // Every buffer's end must be an address: numel * 4 bytes may not wrap past 2^64.
     require(static_cast<std::uint64_t>(p.numel) <= (UINT64_MAX >> 3), "tensors[", t,
             "].numel is too large, got ", p.numel);
-    check_buffer(spans, t, "master", p.master, p.numel, sizeof(float), false);
-    check_buffer(spans, t, "grad", p.grad, p.numel, grad_bytes, true);  // null: no gradient
-    check_buffer(spans, t, "exp_avg", p.exp_avg, p.numel, sizeof(float), false);
-    check_buffer(spans, t, "exp_avg_sq", p.exp_avg_sq, p.numel, sizeof(float), false);
-    check_buffer(spans, t, "model", p.model, p.numel, model_bytes, true);
+    require(p.offset >= 0 && p.offset <= INT64_MAX - p.numel, "tensors[", t,
+            "].offset must be >= 0 and offset + numel must fit an int64, got offset ", p.offset);
+    for (const SlotLayout& s : slots) {  // a null gradient: none this step
+      check_buffer(spans, t, s.name, slot_pointer(p, s.slot), p.numel, s.element_bytes, s.nullable);
+    }
   }
   // Two buffers of one step overlapping would make the update depend on the order of writes.
   std::sort(spans.begin(), spans.end(),
@@ -125,13 +135,12 @@ namespace detail {
 
 WrittenSpans written_spans(const std::vector<ParamTensor>& tensors, const StepConfig& config) {
   std::vector<Span> spans;
-  const std::size_t model_bytes = element_size(config.model_dtype);
+  const auto slots = slot_layouts(config);
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     const ParamTensor& p = tensors[t];
-    check_buffer(spans, t, "master", p.master, p.numel, sizeof(float), false);
-    check_buffer(spans, t, "exp_avg", p.exp_avg, p.numel, sizeof(float), false);
-    check_buffer(spans, t, "exp_avg_sq", p.exp_avg_sq, p.numel, sizeof(float), false);
-    check_buffer(spans, t, "model", p.model, p.numel, model_bytes, true);
+    for (const SlotLayout& s : slots) {
+      if (s.written) check_buffer(spans, t, s.name, slot_pointer(p, s.slot), p.numel, s.element_bytes, s.nullable);
+    }
   }
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
   WrittenSpans w;

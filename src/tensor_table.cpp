@@ -23,7 +23,7 @@ bool all_aligned(const ParamTensor& p) {
 std::int64_t numel_in_norm(const std::vector<ParamTensor>& tensors) {
   std::int64_t n = 0;  // < 2^31 chunks of 2^15 elements: no overflow
   for (const ParamTensor& p : tensors) {
-    if (p.in_norm && p.grad != nullptr) n += p.numel;
+    if (!p.duplicate && p.grad != nullptr) n += p.numel;
   }
   return n;
 }
@@ -51,9 +51,11 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
     d.exp_avg_sq = p.exp_avg_sq;
     d.model = p.numel > 0 ? p.model : nullptr;
     d.numel = p.numel;
+    d.key_offset = p.offset;
+    d.key_id = p.tensor_id != 0 ? p.tensor_id : static_cast<std::uint32_t>(t + 1);
     d.group = p.group;
     d.grad_vec = p.grad != nullptr && aligned16(p.grad) ? 1 : 0;
-    d.in_norm = p.in_norm ? 1 : 0;
+    d.in_norm = p.duplicate ? 0 : 1;
     d.all_vec = all_aligned(p) ? 1 : 0;
     table.tensors.push_back(d);
     for (std::int64_t begin = 0; begin < p.numel; begin += kChunkElems) {

@@ -14,14 +14,14 @@ namespace halfstep::detail {
 struct TensorTable {
   std::vector<TensorDesc> tensors;  // one row per ParamTensor, in order
   std::vector<ChunkDesc> chunks;    // every element of every tensor in exactly one chunk
-  std::int64_t numel_in_norm = 0;   // elements of the tensors in the norm (ParamTensor::in_norm)
+  std::int64_t numel_in_norm = 0;   // elements of the tensors in the norm (no ParamTensor::duplicate)
                                     // that have a gradient
 };
 
 /// Whether every buffer of `p` is 16-byte aligned (pass 2 may use vector accesses).
 bool all_aligned(const ParamTensor& p);
 
-/// Elements of the tensors in the norm (ParamTensor::in_norm) that have a gradient this step.
+/// Elements of the tensors in the norm (no ParamTensor::duplicate) that have a gradient this step.
 std::int64_t numel_in_norm(const std::vector<ParamTensor>& tensors);
 
 /// Splits every tensor into chunks of kChunkElems elements (the last one shorter), in tensor

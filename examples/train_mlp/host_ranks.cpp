@@ -73,7 +73,8 @@ class HostRanks final : public Trainer {
       shape.numel = t.numel;
       shape.group = t.group;
       layout_.push_back(shape);
-      masters.insert(masters.end(), t.master, t.master + t.numel);
+      const auto* m = static_cast<const float*>(t.master);
+      masters.insert(masters.end(), m, m + t.numel);
     }
     total_ = static_cast<std::int64_t>(masters.size());
     shards_.resize(static_cast<std::size_t>(n));

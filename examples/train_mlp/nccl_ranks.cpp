@@ -97,7 +97,8 @@ class NcclRanks final : public Trainer {
       for (std::size_t k = 0; k < s.pieces.tensors.size(); ++k) {
         const halfstep::ParamTensor& piece = s.pieces.tensors[k];
         const halfstep::ParamTensor& from = full[static_cast<std::size_t>(s.pieces.source[k])];
-        check(cudaMemcpy(piece.master, from.master + s.pieces.offset[k], static_cast<std::size_t>(piece.numel) * 4,
+        check(cudaMemcpy(piece.master, static_cast<const float*>(from.master) + s.pieces.offset[k],
+                         static_cast<std::size_t>(piece.numel) * 4,
                          cudaMemcpyDeviceToDevice), "cudaMemcpy");
       }
       check(cudaMemcpy(s.model, engines_[static_cast<std::size_t>(r)]->flat_model() + s.begin,

@@ -13,9 +13,10 @@
 
 namespace halfstep {
 
-/// Format version written by encode_state (decode_state also reads version 2, which had no
-/// compute_dtype: it reads as f16).
-inline constexpr std::uint32_t kStateFormatVersion = 3;
+/// Format version written by encode_state. decode_state also reads version 3, which had no state
+/// formats (they read as fp32, the rounding as stochastic with seed 0), and version 2, which had no
+/// compute_dtype either (it reads as f16).
+inline constexpr std::uint32_t kStateFormatVersion = 4;
 
 /// What a checkpoint holds.
 struct SavedState {
@@ -26,8 +27,11 @@ struct SavedState {
   /// loading: the number of groups, grad_dtype, model_dtype, every ScalerConfig rule but
   /// init_scale, every SpikeConfig field, and each group's decoupled_weight_decay and
   /// bias_correction (the state was built with them). These may differ: the groups'
-  /// hyperparameters (restored), compute_dtype, max_grad_norm, init_scale and host_driven.
+  /// hyperparameters and the stochastic-rounding seed (restored), the rounding, compute_dtype, max_grad_norm,
+  /// init_scale, host_driven, and the state formats (the buffers are converted by whoever loads
+  /// them: load_checkpoint, halfstep.torch).
   StepConfig config;
+  std::uint32_t version = kStateFormatVersion;  ///< the format version it was written in
 };
 
 /// Encodes `state` and `config` (floating-point fields bit-exact, little-endian, CRC-32 protected).

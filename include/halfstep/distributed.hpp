@@ -102,12 +102,18 @@ struct Shard {
 };
 
 /// Cuts the flat parameter space made of the tensors of `layout` laid end to end (only numel,
-/// group and in_norm are read) at [begin, end), which may fall anywhere inside tensors. `flat`
-/// holds this rank's five buffers for exactly that range (flat.numel == end - begin, gradients
-/// in `grad_dtype`, a 16-bit model copy, the rest fp32, flat.model may be null) — e.g. the output
-/// of a reduce-scatter of the flat gradients, and the rank's slices of the masters and moments.
-/// Tensors of zero elements belong to no shard. Throws halfstep::Error on a range outside the
-/// space or a flat buffer of another size.
+/// group, duplicate, tensor_id and offset are read) at [begin, end), which may fall anywhere inside
+/// tensors. `flat` holds this rank's five buffers for exactly that range (flat.numel == end - begin,
+/// each in its slot's format under `config`: slot_layouts; flat.model may be null unless the
+/// masters are remainders) — e.g. the output of a reduce-scatter of the flat gradients, and the
+/// rank's slices of the masters and moments. Each piece keeps its tensor's identity for
+/// stochastic rounding (tensor_id: 1 + its index in `layout` unless set; offset: where the piece
+/// starts in the tensor), so a sharded step rounds every element as an unsharded one. Tensors of
+/// zero elements belong to no shard. Throws halfstep::Error on a range outside the space or a
+/// flat buffer of another size.
+HALFSTEP_API Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
+                         const ParamTensor& flat, const StepConfig& config);
+/// The same for fp32 state, gradients in `grad_dtype` and a 16-bit model copy.
 HALFSTEP_API Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
                          const ParamTensor& flat, DType grad_dtype = DType::f16);
 

@@ -33,6 +33,30 @@ constexpr FormatInfo format_info(DType dtype) {
   }
 }
 
+/// The bit fields of a format's patterns, in place: what every encoder and decoder of it (the
+/// kernels', the reference's, the conversions below) agrees on. Patterns are sign-magnitude:
+/// for finite values the magnitude bits order as the magnitudes do.
+struct FormatBits {
+  std::uint32_t sign;          ///< the sign bit
+  std::uint32_t exponent;      ///< the exponent field; all ones (this value) is infinity, above it NaN
+  std::uint32_t exponent_lsb;  ///< the exponent field's lowest bit: the smallest normal's pattern
+  std::uint32_t fraction;      ///< the stored fraction field
+  int fraction_bits;           ///< stored significand bits
+  int exponent_bits;
+  /// Every bit but the sign.
+  HALFSTEP_HD constexpr std::uint32_t magnitude() const { return exponent | fraction; }
+  /// Infinity's magnitude pattern; NaNs' lie above it.
+  HALFSTEP_HD constexpr std::uint32_t infinity() const { return exponent; }
+  HALFSTEP_HD constexpr int bias() const { return (1 << (exponent_bits - 1)) - 1; }
+};
+
+/// The bit fields of `dtype`.
+HALFSTEP_HD constexpr FormatBits format_bits(DType dtype) {
+  return dtype == DType::f16    ? FormatBits{0x8000u, 0x7C00u, 0x0400u, 0x03FFu, 10, 5}
+         : dtype == DType::bf16 ? FormatBits{0x8000u, 0x7F80u, 0x0080u, 0x007Fu, 7, 8}
+                                : FormatBits{0x80000000u, 0x7F800000u, 0x00800000u, 0x007FFFFFu, 23, 8};
+}
+
 /// Bytes per element of `dtype`.
 constexpr std::size_t element_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
 

@@ -138,8 +138,12 @@ class HALFSTEP_API FusedAdamW {
   /// parameter whose .grad is None). Ordered on `stream` (the pointers travel as kernel arguments:
   /// no host synchronisation); a step captured in a CUDA graph replays with the pointers it was
   /// captured with. Checked first — one pointer per tensor, aligned to the element size, none
-  /// overlapping another or a buffer the step writes; nothing changes on error.
-  void set_gradients(const std::vector<const void*>& grads, Stream stream = nullptr);
+  /// overlapping another or a buffer the step writes; nothing changes on error. `key` says which of
+  /// the model's tensors have a gradient, in a form every rank of a multi-rank step computes alike
+  /// (a hash of the presence of every tensor's gradient, including the ones this rank holds none
+  /// of): it is part of the ranks' fingerprint, so that ranks that would update different tensors
+  /// all skip (hyperparameters_differ) instead of diverging. 0: no key (ranks compare nothing).
+  void set_gradients(const std::vector<const void*>& grads, Stream stream = nullptr, std::uint64_t key = 0);
 
   /// The next step's gradients are already divided by the loss scale (a GradScaler-style unscale_
   /// divided them in place, so that the caller could clip them): that step divides them by 1

@@ -56,18 +56,30 @@ enum {
   HALFSTEP_REASON_INVALID_LOSS_SCALE = 11  /**< the external loss scale is not finite and > 0 */
 };
 
-/** One parameter tensor (halfstep::ParamTensor). */
+/** Master formats (halfstep::MasterFormat), moment formats (halfstep::MomentFormat) and roundings
+ *  (halfstep::Rounding). */
+enum { HALFSTEP_MASTER_F32 = 0, HALFSTEP_MASTER_BF16_REMAINDER = 1 };
+enum { HALFSTEP_MOMENT_F32 = 0, HALFSTEP_MOMENT_BF16 = 1 };
+enum { HALFSTEP_ROUND_NEAREST = 0, HALFSTEP_ROUND_STOCHASTIC = 1 };
+
+/** One parameter tensor (halfstep::ParamTensor): each buffer in its format under the config. */
 typedef struct halfstep_tensor {
-  float* master;
+  void* master;      /**< fp32 masters, or int16 remainders (HALFSTEP_MASTER_BF16_REMAINDER) */
   const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  void* model; /**< may be NULL */
+  void* exp_avg;     /**< in halfstep_config.exp_avg_format */
+  void* exp_avg_sq;  /**< in halfstep_config.exp_avg_sq_format */
+  void* model; /**< may be NULL (not with remainders) */
   int64_t numel;
   int32_t group;
-  /** Nonzero: leave this tensor out of the norm and the counts (it is replicated on other ranks
-   *  of the reduction; halfstep::ParamTensor::in_norm = false). Zero, the default: count it. */
-  int32_t exclude_from_norm;
+  /** Nonzero: another rank of the reduction holds this tensor too and counts it; it is left out of
+   *  the norm and the counts here (halfstep::ParamTensor::duplicate). Zero, the default: count it. */
+  int32_t duplicate;
+  /** The tensor's id in stochastic rounding's random bits (halfstep::ParamTensor::tensor_id): 1 +
+   *  its index in the model's tensors, the same on every rank; 0: 1 + its index in this list. */
+  uint32_t tensor_id;
+  int32_t pad_;
+  /** The index in the whole tensor of this buffer's first element (a shard's start). */
+  int64_t offset;
 } halfstep_tensor;
 
 /** One parameter group (halfstep::AdamWConfig); booleans are 0 or 1. */
@@ -91,7 +103,16 @@ typedef struct halfstep_config {
   /** For HALFSTEP_F32 gradients, the format the backward pass computed them in (HALFSTEP_F16 by
    *  default): the headroom and subnormal count are measured against it. */
   int32_t compute_dtype;
+  /** How the state is held (halfstep::StateFormat): HALFSTEP_MASTER_*, HALFSTEP_MOMENT_* (each
+   *  moment), HALFSTEP_ROUND_*, and the seed of stochastic rounding's bits. */
+  int32_t master_format, exp_avg_format, exp_avg_sq_format, rounding;
+  uint64_t seed;
 } halfstep_config;
+
+/** Bytes per parameter element (halfstep::StateBytes). */
+typedef struct halfstep_state_bytes {
+  uint64_t state, gradient, model, moved;
+} halfstep_state_bytes;
 
 /** A step's report (halfstep::StepReport). */
 typedef struct halfstep_report {
@@ -186,10 +207,11 @@ HALFSTEP_C_API halfstep_status halfstep_set_lr(halfstep_optimizer* opt, int32_t 
 HALFSTEP_C_API halfstep_status halfstep_set_group(halfstep_optimizer* opt, int32_t group, const halfstep_group* h,
                                                   void* stream);
 /** Points the following steps at new gradient buffers, grads[i] for tensor i (NULL: no gradient;
- *  the tensor is left alone), ordered on `stream`, with no host synchronisation
- *  (halfstep::FusedAdamW::set_gradients). */
+ *  the tensor is left alone), ordered on `stream`, with no host synchronisation; `key` names which
+ *  of the model's tensors have a gradient, the same on every rank that steps them alike (0: none
+ *  given) (halfstep::FusedAdamW::set_gradients). */
 HALFSTEP_C_API halfstep_status halfstep_set_gradients(halfstep_optimizer* opt, const void* const* grads,
-                                                      int64_t n_tensors, void* stream);
+                                                      int64_t n_tensors, void* stream, uint64_t key);
 /** The next step's gradients are already divided by the loss scale (halfstep::FusedAdamW::mark_unscaled). */
 HALFSTEP_C_API halfstep_status halfstep_mark_unscaled(halfstep_optimizer* opt, void* stream);
 /** The next step's gradients were scaled by *scale, a scale another scaler owns (torch.amp.GradScaler),
@@ -204,6 +226,10 @@ HALFSTEP_C_API halfstep_status halfstep_set_loss_scale(halfstep_optimizer* opt, 
  *  memory for the reference backend); an invalid value written there skips the step with
  *  HALFSTEP_REASON_INVALID_LEARNING_RATE. NULL on error. */
 HALFSTEP_C_API float* halfstep_device_lr(halfstep_optimizer* opt, int32_t group);
+/** Bytes per parameter element of a step with `config` (halfstep::state_bytes), for tensors with
+ *  (`model_copy` nonzero) or without a model copy. */
+HALFSTEP_C_API halfstep_status halfstep_state_bytes_of(const halfstep_config* config, int32_t model_copy,
+                                                       halfstep_state_bytes* out);
 /** A group's hyperparameters as the next step uses them (its learning rate as the step reads it,
  *  its step_offset): what set_group, set_lr, device_lr and load_state left; waits. */
 HALFSTEP_C_API halfstep_status halfstep_get_group(halfstep_optimizer* opt, int32_t group, halfstep_group* out);

@@ -10,6 +10,7 @@
 #include "halfstep/safetensors.hpp"
 #include "halfstep/scaler.hpp"
 #include "halfstep/spike.hpp"
+#include "halfstep/state.hpp"
 #include "halfstep/step.hpp"
 #include "halfstep/fused_adamw.hpp"
 #include "halfstep/version.hpp"

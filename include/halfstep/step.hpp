@@ -7,6 +7,7 @@
 #include "halfstep/formats.hpp"
 #include "halfstep/scaler.hpp"
 #include "halfstep/spike.hpp"
+#include "halfstep/state.hpp"
 
 namespace halfstep {
 
@@ -30,20 +31,31 @@ struct HALFSTEP_API AdamWConfig {
 };
 
 /// One parameter tensor: device pointers for Backend::cuda, host pointers for Backend::reference.
+/// Each buffer holds numel elements in the format StepConfig says (slot_layouts lists them).
 struct ParamTensor {
-  float* master = nullptr;      ///< fp32 master weights, updated in place
+  void* master = nullptr;       ///< master weights, updated in place: fp32 values, or the int16
+                                ///< remainders that rebuild them with the bf16 model copy
+                                ///< (StepConfig::state.master)
   const void* grad = nullptr;   ///< scaled gradients in StepConfig::grad_dtype
-  float* exp_avg = nullptr;     ///< fp32 first moment
-  float* exp_avg_sq = nullptr;  ///< fp32 second moment
+  void* exp_avg = nullptr;      ///< first moment in StepConfig::state.exp_avg's format
+  void* exp_avg_sq = nullptr;   ///< second moment in StepConfig::state.exp_avg_sq's format
   void* model = nullptr;        ///< reduced-precision copy in StepConfig::model_dtype; may be null
+                                ///< (required with MasterFormat::bf16_remainder)
   std::int64_t numel = 0;       ///< elements; >= 0 (zero-length tensors are allowed)
   std::int32_t group = 0;       ///< index into StepConfig::groups
-  /// Counted in the global norm and in the subnormal, zero and element counts. False for a tensor
-  /// that other ranks of the reduction hold too (a bias or norm weight replicated across a
-  /// tensor-parallel group: only one rank should count it). Its inf/NaN still skip the step, its
-  /// largest |gradient| still counts (a maximum is not changed by duplicates), and it is updated
-  /// like any other tensor.
-  bool in_norm = true;
+  /// Another rank of the reduction holds this tensor too and counts it (a bias or norm weight
+  /// replicated across a tensor-parallel group: one rank counts it): left out of the global norm
+  /// and the subnormal, zero and element counts here. Its inf/NaN still skip the step, its largest
+  /// |gradient| still counts (a maximum is not changed by duplicates), and it is updated like any
+  /// other tensor. False, the default: counted.
+  bool duplicate = false;
+  /// The tensor's identity in stochastic rounding's random bits, which must not depend on how the
+  /// tensors are cut among ranks: 1 + its index in the model's list of tensors, the same on every
+  /// rank that holds a piece of it (halfstep::shard sets it). 0, the default: 1 + its index in the
+  /// list the step is built on.
+  std::uint32_t tensor_id = 0;
+  /// The index, in the whole tensor, of this buffer's first element (a shard's start; shard sets it).
+  std::int64_t offset = 0;
 };
 
 /// Everything that shapes a step.
@@ -59,6 +71,7 @@ struct HALFSTEP_API StepConfig {
   float max_grad_norm = 0.0f;               ///< clip the unscaled global norm to this; 0: no clip
   ScalerConfig scaler;                      ///< loss-scale rules
   SpikeConfig spike;                        ///< spike detection, off by default
+  StateFormat state;                        ///< how masters and moments are stored (fp32 by default)
   bool host_driven = false;                 ///< decide on the host (one sync per step)
 
   /// Throws halfstep::Error naming the first field that breaks its rule.

@@ -10,13 +10,14 @@ import ctypes as _C
 import math as _math
 
 from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID_ARGUMENT, ERROR_USAGE, F16, F32,
+                   MASTER_BF16_REMAINDER, MASTER_F32, MOMENT_BF16, MOMENT_F32, ROUND_NEAREST, ROUND_STOCHASTIC,
                    SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE, SKIPPED_OVERFLOW, SKIPPED_SPIKE,
-                   TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group, HalfstepError, Report, State, Tensor,
+                   TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group, HalfstepError, Report, State, StateBytes, Tensor,
                    check, lib, library_path)
 
-__all__ = ["Optimizer", "HalfstepError", "version", "has_nccl", "config", "group", "report_dict", "SCALER_OPTIONS",
-           "SPIKE_OPTIONS", "F16", "BF16", "F32", "BACKEND_CUDA", "BACKEND_REFERENCE", "TOTALS_SUM_WORDS",
-           "TOTALS_MAX_WORDS"]
+__all__ = ["Optimizer", "HalfstepError", "version", "has_nccl", "config", "group", "report_dict", "state_bytes",
+           "SCALER_OPTIONS", "SPIKE_OPTIONS", "F16", "BF16", "F32", "BACKEND_CUDA", "BACKEND_REFERENCE",
+           "TOTALS_SUM_WORDS", "TOTALS_MAX_WORDS"]
 
 
 def version():
@@ -44,17 +45,31 @@ _DTYPE_NAMES = {"float16": F16, "fp16": F16, "bfloat16": BF16, "bf16": BF16, "fl
                 BF16: BF16, F32: F32}
 _BACKEND_NAMES = {"cuda": BACKEND_CUDA, "reference": BACKEND_REFERENCE, BACKEND_CUDA: BACKEND_CUDA,
                   BACKEND_REFERENCE: BACKEND_REFERENCE}
+# The state formats (halfstep::StateFormat) by their library names.
+MASTER_FORMATS = {"f32": MASTER_F32, "bf16_remainder": MASTER_BF16_REMAINDER}
+MOMENT_FORMATS = {"f32": MOMENT_F32, "bf16": MOMENT_BF16}
+ROUNDINGS = {"nearest": ROUND_NEAREST, "stochastic": ROUND_STOCHASTIC}
+
+
+def _named(value, names, what):
+    if value not in names:
+        raise ValueError("%s must be one of %s, got %r" % (what, ", ".join(repr(n) for n in names), value))
+    return names[value]
 
 
 def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spike=None, host_driven=False,
-           compute_dtype="float16"):
+           compute_dtype="float16", master="f32", exp_avg="f32", exp_avg_sq="f32", rounding="stochastic", seed=0):
     """A halfstep_config: the library's defaults, then `scaler` and `spike` options by name (a dict,
     or an object with those attributes). `dtype` is the gradients' format, "float16", "bfloat16" or
     "float32" (or F16, BF16, F32), and for 16-bit gradients the model copy's too (float32
     gradients come with float32 parameters, which are the masters: no model copy); `compute_dtype`
     is the format float32 gradients were computed in, which the headroom and subnormal count are
     measured against; `backend` is "cuda" (device pointers) or "reference" (host memory, the CPU
-    reference step) (or BACKEND_CUDA, BACKEND_REFERENCE). Unknown names raise ValueError."""
+    reference step) (or BACKEND_CUDA, BACKEND_REFERENCE). The state formats: `master` "f32" or
+    "bf16_remainder" (bfloat16 models: the model copy and an int16 remainder are the master),
+    `exp_avg` and `exp_avg_sq` "f32" or "bf16", `rounding` of bf16 moments "stochastic" or
+    "nearest", and `seed`, the key of stochastic rounding's bits (an integer in [0, 2^64)).
+    Unknown names raise ValueError."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError("dtype must be 'float16', 'bfloat16' or 'float32', got %r" % (dtype,))
     if compute_dtype not in _DTYPE_NAMES:
@@ -69,6 +84,13 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
     c.backend = _BACKEND_NAMES[backend]
     c.max_grad_norm = _fp32(max_grad_norm, "max_grad_norm")
     c.host_driven = 1 if host_driven else 0
+    c.master_format = _named(master, MASTER_FORMATS, "master")
+    c.exp_avg_format = _named(exp_avg, MOMENT_FORMATS, "exp_avg")
+    c.exp_avg_sq_format = _named(exp_avg_sq, MOMENT_FORMATS, "exp_avg_sq")
+    c.rounding = _named(rounding, ROUNDINGS, "rounding")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        raise ValueError("seed must be an integer in [0, 2^64), got %r" % (seed,))
+    c.seed = seed
     for name, value in _options(scaler, SCALER_OPTIONS, "scaler").items():
         _set(c, name, value, "scaler")
     for name, value in _options(spike, SPIKE_OPTIONS, "spike").items():
@@ -147,6 +169,15 @@ def group(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled
     return g
 
 
+def state_bytes(cfg, model_copy=True):
+    """Bytes per parameter element of a step with `cfg` (a `config(...)`), for tensors with a model
+    copy or without (float32 parameters that are the masters): a dict with state (masters and
+    moments, held between steps), gradient, model and moved (read and written by one applied step)."""
+    out = StateBytes()
+    check(lib.halfstep_state_bytes_of(_C.byref(cfg), 1 if model_copy else 0, _C.byref(out)))
+    return {name: getattr(out, name) for name, _ in StateBytes._fields_}
+
+
 def report_dict(r):
     """A Report as a dict, outcome and reason by name."""
     d = {name: getattr(r, name) for name, _ in Report._fields_}
@@ -159,8 +190,11 @@ def report_dict(r):
 class Optimizer:
     """halfstep's FusedAdamW over raw buffers. `tensors` is a list of dicts (or tuples) with the
     addresses master, grad, exp_avg, exp_avg_sq, model (may be 0), numel, group and optionally
-    in_norm; `groups` a list of `group(...)`; `cfg` a `config(...)`. With `rank` (and NCCL
-    communicators `comms`, ncclComm_t addresses) it is one rank of a multi-rank step."""
+    duplicate (another rank counts the tensor in the norm), tensor_id (stochastic rounding's id of
+    the whole tensor, the same on every rank: 1 + its index in the model) and offset (the index of
+    the buffer's first element in the whole tensor); `groups` a list of `group(...)`; `cfg` a
+    `config(...)`. With `rank` (and NCCL communicators `comms`, ncclComm_t addresses) it is one rank
+    of a multi-rank step."""
 
     def __init__(self, tensors, groups, cfg, rank=0, comms=()):
         arr = (Tensor * max(len(tensors), 1))()
@@ -168,7 +202,8 @@ class Optimizer:
             if not isinstance(t, dict):
                 t = dict(zip(("master", "grad", "exp_avg", "exp_avg_sq", "model", "numel", "group"), t))
             arr[i] = Tensor(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], t.get("model") or 0,
-                            int(t["numel"]), int(t.get("group", 0)), 0 if t.get("in_norm", True) else 1)
+                            int(t["numel"]), int(t.get("group", 0)), 1 if t.get("duplicate", False) else 0,
+                            int(t.get("tensor_id", 0)), 0, int(t.get("offset", 0)))
         garr = (Group * max(len(groups), 1))(*groups)
         carr = (_C.c_void_p * max(len(comms), 1))(*comms)
         handle = _C.c_void_p()
@@ -231,10 +266,12 @@ class Optimizer:
         """Every hyperparameter of `group` (a `group(...)`) for the following steps, on `stream`."""
         check(lib.halfstep_set_group(self.handle, int(group), _C.byref(g), stream or None))
 
-    def set_gradients(self, addresses, stream=0):
-        """New gradient addresses, one per tensor (0: no gradient this step), on `stream`."""
+    def set_gradients(self, addresses, stream=0, key=0):
+        """New gradient addresses, one per tensor (0: no gradient this step), on `stream`. `key`
+        (an integer in [0, 2^64)) names which of the model's tensors have a gradient, the same on
+        every rank that steps them alike: the ranks' records compare it (0: none given)."""
         arr = (_C.c_void_p * max(len(addresses), 1))(*[a or None for a in addresses])
-        check(lib.halfstep_set_gradients(self.handle, arr, len(addresses), stream or None))
+        check(lib.halfstep_set_gradients(self.handle, arr, len(addresses), stream or None, int(key)))
 
     def mark_unscaled(self, stream=0):
         """The next step's gradients are already divided by the loss scale."""

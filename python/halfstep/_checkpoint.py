@@ -2,23 +2,27 @@
 
 The state_dict is torch.optim's shape, so that torch.save, torch.distributed.checkpoint and its
 get_optimizer_state_dict / set_optimizer_state_dict (accelerate's FSDP2 save_state, torchtitan,
-Lightning) carry all of it: "state" maps each parameter's index to its slots (the fp32 master and
-moments, laid out as the layout saves them) and its "step"; "param_groups" holds the groups'
+Lightning) carry all of it: "state" maps each parameter's index to its slots (the fp32 master,
+also where the optimizer keeps it as a remainder, and the moments in their dtype, laid out as the
+layout saves them) and its "step"; "param_groups" holds the groups'
 hyperparameters, and group 0 the optimizer's own state under "halfstep" (a param group's keys are
 what those tools keep besides the state). Entries of opt.state that are not a parameter's, and
 keys a user added to a parameter's entry, are kept as torch.optim keeps them.
 
 load_state_dict takes what state_dict gave, also after those tools renamed the parameters to
 their fully qualified names (entries are matched by position, as torch.optim matches them), and
-state_dicts of halfstep 0.3 (the entry at the top level). Everything is checked before anything
-changes; with a process group every rank agrees before any rank changes.
+state_dicts of halfstep 0.3 (the entry at the top level). A state_dict of other state formats
+loads converted: fp32 moments into bf16 ones round once, to nearest even; bf16 into fp32 are
+exact; the fp32 masters become remainders exactly (a step with a bfloat16 model stores a master in
+its canonical form, _formats.canonical, in either master format). Everything is checked before
+anything changes; with a process group every rank agrees before any rank changes.
 """
 
 import hashlib as _hashlib
 
 import torch
 
-from . import _hyper, _ranks, version
+from . import _formats, _hyper, _ranks, version
 from ._layouts import SLOTS
 
 KEY = _hyper.STATE_KEY
@@ -55,6 +59,7 @@ def save(opt):
         "optimizer_state": torch.frombuffer(bytearray(library.save_state()), dtype=torch.uint8),
         "world": opt._world, "rank": opt._rank, "layout": layout.kind, "shard": layout.sharded,
         "n_params": len(opt._params), "shapes_digest": shapes_digest(opt._shapes), "dtype": _NAMES[opt._dtype],
+        "state_format": opt._formats.describe(),
         "pushed": [[h[0], list(h[1]), h[2], h[3]] for h in opt._pushed],
         # The loss scaler's rules, for an optimizer built without them that resumes this run.
         "scaler": {k: v for k, v in opt._scaler_options_now().items()},
@@ -189,12 +194,19 @@ class Checked:
             local = {}
             for key in SLOTS:
                 t = layout.to_local(i, key, entry.get(key))
-                if not isinstance(t, torch.Tensor) or t.dtype != layout.formats[key] or tuple(t.shape) != shape:
+                dtypes = (torch.float32,) if key == "master" else tuple(_formats.MOMENT_DTYPES)
+                if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or tuple(t.shape) != shape:
                     raise ValueError("load_state_dict: state[%d]['%s'] must be a %s tensor of shape %s" %
-                                     (i, key, str(layout.formats[key])[6:], shape))
+                                     (i, key, " or ".join(str(d)[6:] for d in dtypes), shape))
                 if not bool(torch.isfinite(t).all()):
                     raise ValueError("load_state_dict: state[%d]['%s'] holds inf or NaN: an applied step never "
                                      "writes one, so this state was not written by a step" % (i, key))
+                if key != "master" and t.dtype != layout.formats[key]:
+                    t = _formats.moment(t.to(layout.device), opt._formats.exp_avg if key == "exp_avg"
+                                        else opt._formats.exp_avg_sq)
+                    if not bool(torch.isfinite(t).all()):
+                        raise ValueError("load_state_dict: state[%d]['%s'] holds values past bfloat16's range: this "
+                                         "optimizer keeps %s in bfloat16" % (i, key, key))
                 local[key] = t
             if bool((local["exp_avg_sq"] < 0).any()):
                 raise ValueError("load_state_dict: state[%d]['exp_avg_sq'] holds negative values" % i)
@@ -238,8 +250,7 @@ def load(opt, state_dict):
         raise error
     layout = opt._layout
     with torch.no_grad():
-        layout.load(checked.entries)
-        # The parameters are the masters rounded to their dtype (round to nearest even, as the
+        # The parameters become the masters rounded to their dtype (round to nearest even, as the
         # step writes them), so the model resumes exactly without its own state_dict.
-        layout.write_params()
+        layout.load(checked.entries)
     opt._after_load(checked)

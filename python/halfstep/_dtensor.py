@@ -98,3 +98,27 @@ def piece(full, p):
     rank takes its own piece; nothing is communicated)."""
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)._local_tensor
+
+
+def global_offset(p):
+    """The index in the whole tensor of the first element of this rank's local tensor of DTensor
+    `p`, where the local tensor is one contiguous run of the whole tensor's elements (whole rows of
+    dimension 0, as FSDP2's Shard(0) cuts, or everything); None where it is not (a Shard of another
+    dimension cuts rows)."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as locate
+    except ImportError:  # PyTorch 2.0-2.3
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset as locate
+    shape, offset = locate(p.shape, p.device_mesh, p.placements)
+    if len(p.shape) == 0 or _numel(shape) == 0:
+        return 0
+    if tuple(shape[1:]) != tuple(p.shape[1:]) or any(offset[1:]):
+        return None
+    return int(offset[0]) * _numel(p.shape[1:])
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

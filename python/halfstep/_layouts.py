@@ -6,29 +6,37 @@
 - ZeroShard: this rank's chunk of the flat parameter space, one flat tensor per slot (ZeRO-1,
   shard=True); the new model copy is all-gathered into the parameters after each step.
 
-Each holds slot -> tensor for the state slots (SLOTS: the fp32 master and the two moments) and
-builds the library's tensor table over them; nothing else in the package knows where a slot's
-values live. A layout is built once per set of parameters; a rebuild that keeps the parameters
-reuses its tensors (PerParameter, DTensorShards), so views handed out survive it.
+Each holds slot -> tensor for the state slots (SLOTS: the master and the two moments), each in the
+dtype of its format (_formats: an fp32 master, or an int16 remainder beside the bfloat16 parameter;
+fp32 or bf16 moments), and builds the library's tensor table over them; nothing else in the package
+knows where a slot's values live or how they are stored. What users and checkpoints see of a slot
+(`shown`) is its values as they are: the moments in their dtype, the master in fp32 (rebuilt from
+the parameter and its remainder, a copy). A layout is built once per set of parameters; a rebuild
+that keeps the parameters reuses its tensors (PerParameter, DTensorShards), so views handed out
+survive it.
 """
 
 import torch
 import torch.distributed as _dist
 
-from . import _dtensor, _sharding
+from . import _dtensor, _formats, _sharding
 
 SLOTS = ("master", "exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def slot_dtypes():
-    """The dtype of each slot's values."""
-    return {"master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
-
-
-def _take(master, model, weights):
+def _take(slots, model, weights, remainders):
     """Weights written into the parameters become the masters of the elements that differ from
     their master rounded to the parameter's format (so writing the same values keeps the masters'
-    precision); `model` (a ZeRO model chunk) takes the weights themselves."""
+    precision); `model` (a ZeRO model chunk) takes the weights themselves. With remainders the
+    written parameter is the master's upper half: an element keeps its remainder where the pair
+    still rounds to the parameter (a write of the same value), else the master is the written value."""
+    if remainders:
+        if model is not None:
+            model.copy_(weights)
+        slots["master"].copy_(_formats.kept_remainders(weights, slots["master"]))
+        return
+    master = slots["master"]
     changed = weights != master.to(weights.dtype)
     master.copy_(torch.where(changed, weights.float(), master))
     if model is not None:
@@ -43,7 +51,7 @@ class Layout:
     sharded = False  # the state is cut into ranks' chunks of the flat space (ZeRO)
     kind = None      # the name a state_dict records
 
-    def __init__(self, params, group_of, world, rank, pg):
+    def __init__(self, params, group_of, world, rank, pg, formats):
         self.params = list(params)
         self.local = [_dtensor.local(p) for p in self.params]
         self.group_of = list(group_of)
@@ -51,7 +59,9 @@ class Layout:
         self.device = self.params[0].device
         self.fp32 = self.dtype == torch.float32
         self.world, self.rank, self.pg = world, rank, pg
-        self.formats = slot_dtypes()
+        self.state_formats = formats
+        self.remainders = formats.remainders
+        self.formats = {name: formats.dtype(name) for name in SLOTS}  # slot -> the dtype it is stored in
         self.numels = [t.numel() for t in self.local]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
         self.table = self.rank_table(rank)
@@ -67,11 +77,13 @@ class Layout:
         table = self.table if rank == self.rank else self.rank_table(rank)
         return table[entry][0]
 
-    def _row(self, slots, model, at, length, i, in_norm):
-        """One library table entry over `slots` (tensors whose element `at` starts the entry)."""
+    def _row(self, slots, model, at, length, i, in_norm, offset):
+        """One library table entry over `slots` (tensors whose element `at` starts the entry), for
+        the elements of parameter i from `offset` on (stochastic rounding's index: the element's
+        in the whole parameter, the same on every rank)."""
         row = {name: slots[name].data_ptr() + slots[name].element_size() * at for name in SLOTS}
         row.update(grad=0, model=0 if model is None else model.data_ptr() + model.element_size() * at,
-                   numel=length, group=self.group_of[i], in_norm=in_norm)
+                   numel=length, group=self.group_of[i], duplicate=not in_norm, tensor_id=i + 1, offset=offset)
         return row
 
     def grad_addresses(self, grads):
@@ -80,11 +92,26 @@ class Layout:
         return [0 if grads[i] is None or grads[i].numel() == 0 else grads[i].data_ptr() + elem * off
                 for i, off, _, _, _ in self.table]
 
+    def model_of(self, i):
+        """The bfloat16 model values beside parameter i's remainders, as views() cuts them."""
+        raise NotImplementedError
+
+    def shown(self, i, name):
+        """Slot `name` of parameter i as users and checkpoints see it: the stored tensor itself, but
+        for a master kept as a remainder: the fp32 masters, rebuilt (a copy)."""
+        view = self.views(i).get(name)
+        if view is None or name != "master" or not self.remainders:
+            return view
+        return _formats.join(self.model_of(i), view)
+
     def saved(self):
         """{parameter index: a copy of its slots as this rank holds them} for a state_dict (a ZeRO
         rank's piece, with its offset, or nothing where the rank holds none of the parameter)."""
-        return {i: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in self.views(i).items()}
-                for i in range(len(self.params))}
+        out = {}
+        for i in range(len(self.params)):
+            views = self.views(i)
+            out[i] = {k: self.shown(i, k).detach().clone() if k in SLOTS else v for k, v in views.items()}
+        return out
 
     def expected(self, i):
         """The shape a saved slot of parameter i must have here, or None where this rank holds none of it."""
@@ -96,14 +123,27 @@ class Layout:
         return t
 
     def load(self, entries):
-        """Copies checked {index: {slot: tensor}} into the state (an index without an entry keeps its own)."""
+        """Writes checked {index: {slot: tensor}} (fp32 masters, moments in this layout's dtypes)
+        into the state and the parameters (an index without an entry keeps its own)."""
         for i, entry in entries.items():
             if entry is None:
                 continue
             views = self.views(i)
-            for name in SLOTS:
-                if name in views:
-                    views[name].copy_(entry[name].view(views[name].shape))
+            if "master" not in views:
+                continue
+            for name in MOMENTS:
+                views[name].copy_(entry[name].view(views[name].shape))
+            self.write_master(i, entry["master"].view(views["master"].shape))
+        self.loaded()
+
+    def write_master(self, i, master):
+        """fp32 masters into parameter i's state; the parameter (or a ZeRO model chunk) becomes the
+        masters rounded to its dtype, as a step writes it. With a bf16 model the master is stored as
+        a step stores it (canonical: _formats.canonical)."""
+        raise NotImplementedError
+
+    def loaded(self):
+        """What follows writing loaded masters (ZeRO gathers the model chunks)."""
 
     def after_step(self):
         """What follows a step (or a skipped one): nothing, unless the layout gathers the weights."""
@@ -117,8 +157,8 @@ class PerParameter(Layout):
 
     kind = "per_parameter"
 
-    def __init__(self, params, group_of, world=1, rank=0, pg=None, carried=None):
-        super().__init__(params, group_of, world, rank, pg)
+    def __init__(self, params, group_of, world, rank, pg, formats, carried=None):
+        super().__init__(params, group_of, world, rank, pg, formats)
         carried = carried or {}
         self.state = []
         for p, w in zip(self.params, self.local):
@@ -127,9 +167,9 @@ class PerParameter(Layout):
             for name in SLOTS:
                 if name in given:
                     slots[name] = given[name]
-                elif name == "master":
+                elif name == "master" and not self.remainders:
                     slots[name] = w.detach() if self.fp32 else w.detach().float().contiguous().clone()
-                else:
+                else:  # moments, and remainders (0: the master is the parameter's value)
                     slots[name] = torch.zeros(w.shape, dtype=self.formats[name], device=self.device)
             if self.fp32:  # the parameter is its own master (carrying the carried values)
                 if slots["master"].data_ptr() != w.data_ptr():
@@ -141,12 +181,20 @@ class PerParameter(Layout):
         return _sharding.rank_table(self.numels, self.world, rank, self.pg is not None, False)
 
     def entries(self):
-        return [self._row(self.state[i], None if self.fp32 else self.local[i].detach(), off, length, i, in_norm)
+        return [self._row(self.state[i], None if self.fp32 else self.local[i].detach(), off, length, i, in_norm,
+                          self.element_offset(i) + off)
                 for i, off, length, _, in_norm in self.table]
 
+    def element_offset(self, i):
+        """The index in the whole parameter of this rank's first element of parameter i."""
+        return 0
+
     def views(self, i):
-        """opt.state[p]'s slots: the very tensors the step writes."""
+        """Parameter i's slots: the very tensors the step writes."""
         return dict(self.state[i])
+
+    def model_of(self, i):
+        return self.local[i].detach()
 
     def carried(self, masters=True):
         """Every parameter's slots, for a layout rebuilt over these parameters and more: the same
@@ -160,20 +208,29 @@ class PerParameter(Layout):
 
     def take(self, i):
         if not self.fp32:
-            _take(self.state[i]["master"].view(-1), None, self.local[i].detach().reshape(-1))
+            _take({"master": self.state[i]["master"].view(-1)}, None, self.local[i].detach().reshape(-1),
+                  self.remainders)
 
     def set_slot(self, i, name, value):
-        """A slot of parameter i written (opt.state[p][name] = value); a master also into the
-        parameter, rounded to its dtype, as a step writes it."""
-        self.state[i][name].copy_(value.view(self.state[i][name].shape))
-        if name == "master" and not self.fp32:
-            self.local[i].detach().copy_(self.state[i]["master"].view_as(self.local[i]))
+        """A slot of parameter i written (opt.state[p][name] = value, in the slot's shown dtype); a
+        master also into the parameter, rounded to its dtype, as a step writes it."""
+        if name == "master":
+            self.write_master(i, value.view(self.state[i]["master"].shape))
+        else:
+            self.state[i][name].copy_(value.view(self.state[i][name].shape))
 
-    def write_params(self):
-        """The parameters as the masters rounded to their dtype (after a load)."""
+    def write_master(self, i, master):
+        param = self.local[i].detach()
+        if self.remainders:
+            model, remainder = _formats.split(master)
+            param.copy_(model.view_as(param))
+            self.state[i]["master"].copy_(remainder)
+            return
+        if self.dtype == torch.bfloat16:
+            master = _formats.canonical(master)
+        self.state[i]["master"].copy_(master)
         if not self.fp32:
-            for t, s in zip(self.local, self.state):
-                t.detach().copy_(s["master"].view_as(t))
+            param.copy_(self.state[i]["master"].view_as(param))
 
 
 class DTensorShards(PerParameter):
@@ -187,11 +244,22 @@ class DTensorShards(PerParameter):
             return self.table
         return [(i, 0, n, 0, _dtensor.counts_in_norm(p)) for i, (p, n) in enumerate(zip(self.params, self.numels))]
 
+    def element_offset(self, i):
+        offset = _dtensor.global_offset(self.params[i])
+        if offset is None:
+            if self.state_formats.random_bits:
+                raise ValueError("parameter %d is a DTensor with placements %s: its local tensor is not one run of the "
+                                 "whole tensor's elements, and stochastic rounding keys each element's bits by its "
+                                 "index in the whole tensor; shard it on dimension 0 (FSDP2's Shard(0)), or use "
+                                 "rounding='nearest'" % (i, self.params[i].placements))
+            return 0  # (nothing reads it)
+        return offset
+
     def saved(self):
         # DTensors laid out as the parameter: torch.distributed.checkpoint saves them sharded and
         # loads them into any other number of ranks.
-        return {i: {name: _dtensor.like(t.detach().clone().view(self.local[i].shape), self.params[i])
-                    for name, t in s.items()} for i, s in enumerate(self.state)}
+        return {i: {name: _dtensor.like(self.shown(i, name).detach().clone().view(self.local[i].shape),
+                                        self.params[i]) for name in SLOTS} for i in range(len(self.params))}
 
     def to_local(self, i, name, t):
         """A DTensor laid out as parameter i (what state_dict() gives, also after
@@ -218,8 +286,8 @@ class ZeroShard(Layout):
     sharded = True
     kind = "zero"
 
-    def __init__(self, params, group_of, world, rank, pg, carried=None):
-        super().__init__(params, group_of, world, rank, pg)
+    def __init__(self, params, group_of, world, rank, pg, formats, carried=None):
+        super().__init__(params, group_of, world, rank, pg, formats)
         carried = carried or {}
         self.chunk = _sharding.chunk_size(sum(self.numels), world)
         n = max(self.chunk, 1)
@@ -232,7 +300,7 @@ class ZeroShard(Layout):
             for name in SLOTS:
                 if slots is not None:
                     self.flat[name][at:at + length].copy_(slots[name].reshape(-1)[off:off + length])
-                elif name == "master":
+                elif name == "master" and not self.remainders:
                     self.flat[name][at:at + length].copy_(weights[i].reshape(-1)[off:off + length])
             if not self.fp32:
                 self.model[at:at + length].copy_(weights[i].reshape(-1)[off:off + length])
@@ -241,8 +309,8 @@ class ZeroShard(Layout):
         return _sharding.rank_table(self.numels, self.world, rank, True, True)
 
     def entries(self):
-        return [self._row(self.flat, None if self.fp32 else self.model, at, length, i, in_norm)
-                for i, _, length, at, in_norm in self.table]
+        return [self._row(self.flat, None if self.fp32 else self.model, at, length, i, in_norm, off)
+                for i, off, length, at, in_norm in self.table]
 
     def views(self, i):
         """This rank's piece of the flattened parameter (at most one: a rank's range is contiguous)
@@ -253,17 +321,27 @@ class ZeroShard(Layout):
             out["offset"] = off
         return out
 
+    def model_of(self, i):
+        for _, length, at in self.pieces[i]:
+            return self.model[at:at + length]
+        return None
+
     def follows_storage(self):
         """The table holds this rank's flat buffers only: the parameters are read and written
         where they are at each step."""
         return False
 
     def carried(self):
-        """Every parameter's slots in full (the ranks all-gather their chunks: a collective)."""
+        """Every parameter's slots in full (the ranks all-gather their chunks: a collective). The
+        remainders belong to the parameters' values, which every rank holds after each step."""
         whole = {}
         for name in SLOTS:
             parts = [torch.empty_like(self.flat[name]) for _ in range(self.world)]
-            _dist.all_gather(parts, self.flat[name], group=self.pg)
+            if self.flat[name].dtype == torch.bfloat16 or self.flat[name].dtype == torch.int16:
+                bits = [x.view(torch.uint8) for x in parts]  # (gloo reduces no bfloat16)
+                _dist.all_gather(bits, self.flat[name].view(torch.uint8), group=self.pg)
+            else:
+                _dist.all_gather(parts, self.flat[name], group=self.pg)
             whole[name] = torch.cat(parts)
         return {p: {name: f[at:at + p.numel()].clone().view(p.shape) for name, f in whole.items()}
                 for p, at in zip(self.params, self.offsets)}
@@ -271,16 +349,30 @@ class ZeroShard(Layout):
     def take(self, i):
         flat = self.local[i].detach().reshape(-1)
         for off, length, at in self.pieces[i]:
-            _take(self.flat["master"][at:at + length], None if self.fp32 else self.model[at:at + length],
-                  flat[off:off + length])
+            _take({"master": self.flat["master"][at:at + length]}, None if self.fp32 else self.model[at:at + length],
+                  flat[off:off + length], self.remainders)
 
     def set_slot(self, i, name, value):
         for off, length, at in self.pieces[i]:
-            self.flat[name][at:at + length].copy_(value.reshape(-1))
-            if name == "master":  # the model chunk and the parameter's piece, as a step writes them
-                if not self.fp32:
-                    self.model[at:at + length].copy_(self.flat["master"][at:at + length])
-                self.params[i].detach().view(-1)[off:off + length].copy_(self.model[at:at + length])
+            if name != "master":
+                self.flat[name][at:at + length].copy_(value.reshape(-1))
+                continue
+            self.write_master(i, value.reshape(-1))
+            # the parameter's piece, as the step's gather writes it
+            self.params[i].detach().view(-1)[off:off + length].copy_(self.model[at:at + length])
+
+    def write_master(self, i, master):
+        for _, length, at in self.pieces[i]:
+            if self.remainders:
+                model, remainder = _formats.split(master)
+                self.model[at:at + length].copy_(model)
+                self.flat["master"][at:at + length].copy_(remainder)
+                continue
+            if self.dtype == torch.bfloat16:
+                master = _formats.canonical(master)
+            self.flat["master"][at:at + length].copy_(master)
+            if not self.fp32:
+                self.model[at:at + length].copy_(self.flat["master"][at:at + length])
 
     def refused(self):
         # The ranks all-gather every chunk of the model copy after the step: a refusing rank's chunk
@@ -289,9 +381,7 @@ class ZeroShard(Layout):
             if self.local[i].numel() == self.numels[i]:
                 self.take(i)
 
-    def write_params(self):
-        if not self.fp32:
-            self.model.copy_(self.flat["master"])
+    def loaded(self):
         self.after_step()
 
     def after_step(self):
@@ -302,17 +392,17 @@ class ZeroShard(Layout):
             p.detach().view(-1).copy_(self.gathered[at:at + p.numel()])
 
     def pieces_of_chunk(self, chunk):
-        """{parameter index: {slot: its piece}} of a whole chunk of this rank ({slot: tensor}: the
-        form of halfstep 0.3's state_dicts)."""
+        """{parameter index: {slot: its piece}} of a whole chunk of this rank ({slot: fp32 tensor}:
+        the form of halfstep 0.3's state_dicts)."""
         return {i: {name: chunk[name][at:at + length] for name in SLOTS}
                 for i in range(len(self.params)) for _, length, at in self.pieces[i]}
 
 
-def build(params, group_of, world, rank, pg, mesh, shard, carried=None):
+def build(params, group_of, world, rank, pg, mesh, shard, formats, carried=None):
     """The layout for these parameters: DTensorShards on a device mesh, ZeroShard with a sharded
-    process group, PerParameter otherwise."""
+    process group, PerParameter otherwise; each slot in its format (`formats`, _formats.Formats)."""
     if mesh is not None:
-        return DTensorShards(params, group_of, world, rank, pg, carried)
+        return DTensorShards(params, group_of, world, rank, pg, formats, carried)
     if shard:
-        return ZeroShard(params, group_of, world, rank, pg, carried)
-    return PerParameter(params, group_of, world, rank, pg, carried)
+        return ZeroShard(params, group_of, world, rank, pg, formats, carried)
+    return PerParameter(params, group_of, world, rank, pg, formats, carried)

@@ -15,6 +15,9 @@ ERROR_INTERNAL = 5
 F16, BF16, F32 = 0, 1, 2
 BACKEND_CUDA, BACKEND_REFERENCE = 0, 1
 APPLIED, SKIPPED_OVERFLOW, SKIPPED_SPIKE, SKIPPED_NONFINITE_UPDATE, SKIPPED_INCONSISTENT = 0, 1, 2, 3, 4
+MASTER_F32, MASTER_BF16_REMAINDER = 0, 1
+MOMENT_F32, MOMENT_BF16 = 0, 1
+ROUND_NEAREST, ROUND_STOCHASTIC = 0, 1
 
 TOTALS_SUM_WORDS = 24
 TOTALS_MAX_WORDS = 4
@@ -26,7 +29,8 @@ TOTALS_MAX_WORDS = 4
 class Tensor(C.Structure):
     _fields_ = [("master", C.c_void_p), ("grad", C.c_void_p), ("exp_avg", C.c_void_p),
                 ("exp_avg_sq", C.c_void_p), ("model", C.c_void_p), ("numel", C.c_int64),
-                ("group", C.c_int32), ("exclude_from_norm", C.c_int32)]
+                ("group", C.c_int32), ("duplicate", C.c_int32), ("tensor_id", C.c_uint32), ("pad_", C.c_int32),
+                ("offset", C.c_int64)]
 
 
 class Group(C.Structure):
@@ -46,7 +50,12 @@ class Config(C.Structure):
                 ("spike_skip", C.c_int32), ("spike_warmup_steps", C.c_int32),
                 ("spike_max_consecutive", C.c_int32), ("spike_z_threshold", C.c_float),
                 ("spike_ema_beta", C.c_float), ("spike_min_std", C.c_float),
-                ("compute_dtype", C.c_int32)]
+                ("compute_dtype", C.c_int32), ("master_format", C.c_int32), ("exp_avg_format", C.c_int32),
+                ("exp_avg_sq_format", C.c_int32), ("rounding", C.c_int32), ("seed", C.c_uint64)]
+
+
+class StateBytes(C.Structure):
+    _fields_ = [("state", C.c_uint64), ("gradient", C.c_uint64), ("model", C.c_uint64), ("moved", C.c_uint64)]
 
 
 class Report(C.Structure):
@@ -107,12 +116,13 @@ def _load(path):
         "halfstep_nonfinite_counts": (C.c_int, [P, C.POINTER(C.c_int64), C.c_int64]),
         "halfstep_set_lr": (C.c_int, [P, C.c_int32, C.c_float, P]),
         "halfstep_set_group": (C.c_int, [P, C.c_int32, C.POINTER(Group), P]),
-        "halfstep_set_gradients": (C.c_int, [P, C.POINTER(C.c_void_p), C.c_int64, P]),
+        "halfstep_set_gradients": (C.c_int, [P, C.POINTER(C.c_void_p), C.c_int64, P, C.c_uint64]),
         "halfstep_mark_unscaled": (C.c_int, [P, P]),
         "halfstep_use_external_scale": (C.c_int, [P, P, P, P]),
         "halfstep_get_group": (C.c_int, [P, C.c_int32, C.POINTER(Group)]),
         "halfstep_set_loss_scale": (C.c_int, [P, C.c_float, P]),
         "halfstep_device_lr": (C.POINTER(C.c_float), [P, C.c_int32]),
+        "halfstep_state_bytes_of": (C.c_int, [C.POINTER(Config), C.c_int32, C.POINTER(StateBytes)]),
         "halfstep_learning_rates": (C.c_int, [P, C.POINTER(C.c_float), C.c_int32]),
         "halfstep_loss_scale": (C.c_int, [P, C.POINTER(C.c_float)]),
         "halfstep_device_loss_scale": (C.POINTER(C.c_float), [P]),

@@ -10,16 +10,18 @@ import collections as _collections
 import contextlib as _contextlib
 import copy as _copy
 import ctypes as _C
+import hashlib as _hashlib
 import math as _math
 import operator as _operator
 import threading as _threading
 import warnings as _warnings
+import weakref as _weakref
 
 import torch
 import torch.distributed as _dist
 
 from . import BF16, F16, F32, TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Optimizer, config, group
-from . import _checkpoint, _dtensor, _fp32, _hyper, _layouts, _ranks, _scaling
+from . import _checkpoint, _dtensor, _formats, _fp32, _hyper, _layouts, _ranks, _scaling
 
 _DTYPES = {torch.float16: F16, torch.bfloat16: BF16, torch.float32: F32}
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -55,11 +57,45 @@ def _view(owner, address, dtype, device, numel=1):
 class _ParamState(dict):
     """opt.state[p]: views of the parameter's slots (writing into them, or assigning a tensor to
     them, writes the optimizer's state), its step count (a copy the step refreshes: one
-    applied-step counter for every parameter), and whatever keys the user adds."""
+    applied-step counter for every parameter), and whatever keys the user adds. A master kept as
+    the bfloat16 parameter and a remainder (store_param_remainders=True) is shown as fp32 masters
+    rebuilt on each read: a copy, which only assignment writes (step() refuses a copy written in
+    place)."""
 
-    def __init__(self, opt, index, views):
+    def __init__(self, opt, index, views, rebuilt=()):
         super().__init__(views)
         self._opt, self._index = opt, index
+        self._rebuilt = frozenset(rebuilt)  # keys whose value is rebuilt on each read
+        for key in self._rebuilt:
+            dict.__setitem__(self, key, None)
+
+    def __getitem__(self, key):
+        if key in self._rebuilt:
+            return self._opt._rebuilt_slot(self._index, key)
+        return super().__getitem__(key)
+
+    def __iter__(self):  # (not dict's own: dict(entry) and {**entry} then read through __getitem__)
+        return iter(list(dict.keys(self)))
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def items(self):
+        return [(k, self[k]) for k in dict.keys(self)]
+
+    def values(self):
+        return [self[k] for k in dict.keys(self)]
+
+    def copy(self):
+        return dict(self.items())
+
+    def __repr__(self):
+        return repr(dict(self.items()))
+
+    def __eq__(self, other):
+        return dict(self.items()) == other
+
+    __hash__ = None
 
     def __setitem__(self, key, value):
         if key in _layouts.SLOTS:
@@ -103,7 +139,7 @@ class _ParamState(dict):
 
     def extras(self):
         """The keys a user added."""
-        return {k: v for k, v in self.items() if k not in _layouts.SLOTS and k not in ("step", "offset")}
+        return {k: v for k, v in dict.items(self) if k not in _layouts.SLOTS and k not in ("step", "offset")}
 
 
 class _StateMap(_collections.defaultdict):
@@ -230,6 +266,17 @@ class FusedAdamW(torch.optim.Optimizer):
     compute_dtype: for float32 parameters, the dtype the backward pass computed the gradients in
         (torch.float16 under fp16 autocast, the default; torch.bfloat16): the headroom and the
         subnormal count in reports are measured against its range.
+    store_param_remainders: bfloat16 parameters only: True keeps no fp32 master, the parameter
+        itself (stepped in place) and an int16 remainder rebuild it exactly, 2 bytes per parameter
+        instead of 4, with bitwise the results of fp32 masters. opt.state[p]['master'] and
+        state_dict() show the rebuilt fp32 masters. False or None (the default): fp32 masters.
+    exp_avg_dtype, exp_avg_sq_dtype: torch.float32 (the default) or torch.bfloat16: the moments
+        held in bfloat16, decoded and encoded inside the fused step (2 bytes each instead of 4).
+    rounding: how bfloat16 moments are stored: 'stochastic' (the default: unbiased, so that
+        exp_avg_sq keeps moving when a step's change is below half a bf16 ulp; its bits a hash of
+        seed, step, parameter and element, the same on any number of ranks and after a resume) or
+        'nearest'.
+    seed: the key of stochastic rounding's bits (an integer in [0, 2^64); the state_dict carries it).
     process_group: a torch.distributed group whose ranks take one step together: they all-reduce
         the step's totals record, so every rank takes the same decision with the same global norm
         (bitwise the one process would compute) and holds the same report. The gradients must
@@ -256,7 +303,9 @@ class FusedAdamW(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, max_grad_norm=0.0,
-                 scaler=None, spike=None, compute_dtype=torch.float16, process_group=None, shard=None):
+                 scaler=None, spike=None, compute_dtype=torch.float16, process_group=None, shard=None,
+                 store_param_remainders=None, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                 rounding="stochastic", seed=0):
         self._built = False
         params = _listed(params, process_group is not None)
         self._pg, self._shard_wanted = process_group, shard
@@ -280,6 +329,8 @@ class FusedAdamW(torch.optim.Optimizer):
             if compute_dtype not in _DTYPES:
                 raise ValueError("FusedAdamW: compute_dtype must be torch.float16, torch.bfloat16 or torch.float32, "
                                  "got %r" % (compute_dtype,))
+            self._state_options = dict(store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
+                                       exp_avg_sq_dtype=exp_avg_sq_dtype, rounding=rounding, seed=seed)
             self._scaling = _scaling.LossScaling(rules_given=scaler is not None)
             self._scaler_options = scaler
             key = self._construct(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -296,8 +347,8 @@ class FusedAdamW(torch.optim.Optimizer):
 
     @property
     def state(self):
-        """Per parameter: views of its slots (master, exp_avg, exp_avg_sq) and its step count; see
-        _ParamState. Assigning an empty mapping (opt.state = defaultdict(dict)) resets every
+        """Per parameter: views of its slots (master, exp_avg, exp_avg_sq, each in its dtype; a
+        master kept as a remainder shown rebuilt in fp32) and its step count; see _ParamState. Assigning an empty mapping (opt.state = defaultdict(dict)) resets every
         parameter's moments, as torch.optim's emptied state does."""
         return self.__dict__["_state_map"]
 
@@ -328,6 +379,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self._check_params(self._params)
         self._dtype = self._params[0].dtype
         self._device = self._params[0].device
+        self._formats = _formats.choose(self._dtype, **self._state_options)
         if self._scaler_options is None and self._dtype != torch.float16:
             self._scaler_options = _NO_LOSS_SCALING
         # step(), state_dict(), load_state_dict(), add_param_group() and resync_weights() from several
@@ -413,7 +465,8 @@ class FusedAdamW(torch.optim.Optimizer):
         return config(dtype=_NAMES[self._dtype], backend="cuda" if cuda else "reference",
                       max_grad_norm=self._options["max_grad_norm"],
                       scaler=self._scaler_options if scaler_options is None else scaler_options,
-                      spike=self._options["spike"], compute_dtype=_NAMES[self._options["compute_dtype"]])
+                      spike=self._options["spike"], compute_dtype=_NAMES[self._options["compute_dtype"]],
+                      **self._formats.library())
 
     def _build(self, carried, offsets, library_state=None):
         """Builds the layout of this rank's state over param_groups' parameters (continuing from
@@ -424,7 +477,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self._shapes = [tuple(p.shape) for p in self._params]
         with torch.no_grad():
             self._layout = _layouts.build(self._params, self._group_of(), self._world, self._rank, self._pg, self._mesh,
-                                          self._shard, carried)
+                                          self._shard, self._formats, carried)
         self._cfg = self._library_config()
         self._new_library(self._cfg, self._groups_for(offsets), library_state)
         # What the library holds the addresses of, and the parameters' version counters: step()
@@ -471,6 +524,9 @@ class FusedAdamW(torch.optim.Optimizer):
         else:
             self._step_copy.copy_(self._live_steps)
         self._grad_addresses = [0] * len(self._layout.table)  # no gradient until step() sees one
+        self._grads_key = 0
+        if not hasattr(self, "_copies"):
+            self._copies = []  # (parameter index, slot, weak reference, version) of rebuilt slots handed out
 
     def _library_snapshot(self):
         """What load_state_dict restores if it cannot finish: the library optimizer and its state."""
@@ -504,7 +560,8 @@ class FusedAdamW(torch.optim.Optimizer):
         extras = {id(k): v.extras() for k, v in state.items() if isinstance(v, _ParamState)}
         fresh = _StateMap(self)
         for i, p in enumerate(self._params):
-            entry = _ParamState(self, i, self._layout.views(i))
+            views = self._layout.views(i)
+            entry = _ParamState(self, i, views, ("master",) if self._formats.remainders and "master" in views else ())
             dict.__setitem__(entry, "step", self._step_copy)
             for k, v in extras.get(id(p), {}).items():
                 dict.__setitem__(entry, k, v)
@@ -730,7 +787,7 @@ class FusedAdamW(torch.optim.Optimizer):
     def _set_slot(self, i, name, value):
         """opt.state[p][name] = value: copied into the optimizer's state of parameter i (the master
         also into the parameter, rounded to its dtype, as a step would write it)."""
-        view = self._layout.views(i).get(name)
+        view = self._layout.shown(i, name)
         if view is None:
             raise ValueError("opt.state[p][%r]: this rank holds no piece of parameter %d (shard=True: each rank "
                              "holds its chunk of the flat parameter space)" % (name, i))
@@ -750,6 +807,26 @@ class FusedAdamW(torch.optim.Optimizer):
             self._take_pending_weights()
             self._layout.set_slot(i, name, value)
             self._versions = self._current_versions()  # our own writes
+
+    def _rebuilt_slot(self, i, name):
+        """opt.state[p][name] of a slot that is not stored as shown (a master kept as a remainder):
+        its values rebuilt, a copy. step() refuses it written in place (the write would be lost)."""
+        with self._lock, torch.no_grad():
+            self._take_pending_weights()
+            t = self._layout.shown(i, name)
+            self._copies = [c for c in self._copies if c[2]() is not None]
+            self._copies.append((i, name, _weakref.ref(t), t._version))
+            return t
+
+    def _refuse_written_copies(self):
+        written = [(i, name) for i, name, ref, version in self._copies if ref() is not None and ref()._version != version]
+        if written:
+            i, name = written[0]
+            self._copies = [c for c in self._copies if (c[0], c[1]) not in written]
+            raise RuntimeError("opt.state[p][%r] of parameter %d was written in place, but it is a copy: with "
+                               "store_param_remainders=True the master is the bfloat16 parameter and an int16 "
+                               "remainder, rebuilt in fp32 when read. Assign it instead (opt.state[p][%r] = t); "
+                               "nothing was stepped" % (name, i, name))
 
     def _reset_moments(self):
         """opt.state emptied: every parameter's moments are zero and every group's bias
@@ -818,6 +895,15 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise RuntimeError("parameter %d's .grad is sparse: halfstep reads dense gradients" % i)
         return self._layout.grad_addresses(grads)
 
+    def _grads_present_key(self):
+        """Which of the parameters have a gradient this step, as a 64-bit key the ranks of a process
+        group compare in the step's record (a rank's table may not hold the parameter whose
+        gradient another rank lacks): the ranks must step the same parameters. 0 without a group."""
+        if self._pg is None:
+            return 0
+        present = bytes(int(p.grad is not None) for p in self._params)
+        return int.from_bytes(_hashlib.blake2b(present, digest_size=8).digest(), "little") or 1
+
     def _needs_scaled_loss(self):
         """A loss scale other than a constant 1: a loss the backward pass did not multiply by it
         would be unscaled by it, silently wrong."""
@@ -834,6 +920,9 @@ class FusedAdamW(torch.optim.Optimizer):
         hyper = [_hyper.of_group(g, "param_groups[%d]" % i, self._tensor_reads, self._device)
                  for i, g in enumerate(self.param_groups)]
         addresses = self._gradients()
+        grads_key = self._grads_present_key()
+        if self._copies:
+            self._refuse_written_copies()
         external = self._scaling.check(self)
         # Checked; from here on, changes.
         stream = self._stream()
@@ -854,9 +943,9 @@ class FusedAdamW(torch.optim.Optimizer):
                     self._opt.set_lr(i, h[0], stream)  # ordered before this step on the stream
                 self._pushed[i] = h
         self._push_lr_sources(stream)
-        if addresses != self._grad_addresses:
-            self._opt.set_gradients(addresses, stream)
-            self._grad_addresses = addresses
+        if addresses != self._grad_addresses or grads_key != self._grads_key:
+            self._opt.set_gradients(addresses, stream, grads_key)
+            self._grad_addresses, self._grads_key = addresses, grads_key
         self._scaling.push(self, external, stream)
         return stream
 

@@ -7,7 +7,8 @@ every rank, then rank 1 refuses its step; moved: rank 0 alone moves its paramete
 the first step (p.data = loaded), then broadcasts them, sharded and replicated; rank0saves:
 shard=False, rank 0's state_dict loaded on every rank; torchscaler: torch.amp.GradScaler drives
 each rank's step and rank 1 refuses one; dcpapi: FSDP2, torch.distributed.checkpoint's
-get_optimizer_state_dict / set_optimizer_state_dict across a save and a load.
+get_optimizer_state_dict / set_optimizer_state_dict across a save and a load; gradpresence:
+rank 1 alone drops one parameter's gradient (p.grad = None) for one step, sharded and replicated.
 """
 
 import os
@@ -218,6 +219,19 @@ def main():
         out["attempts"] = fresh_opt.scaler_state()["attempts"]
         out["again"] = train(fresh, fresh_opt, range(3, 6))
         out["resumed"] = full(fresh)
+    elif mode == "gradpresence":
+        for shard in (True, False):
+            params = fresh_params(SHAPES, dtype, seed=1)
+            opt = make(params, shard, scaler=dict(init_scale=2.0 ** 10))
+            reports = []
+            for k in range(4):
+                for p, g in zip(params, grads_of(k, dtype, float(opt.loss_scale))):
+                    p.grad = g.clone()
+                if k == 2 and rank == 1:
+                    params[3].grad = None  # this rank alone steps without it
+                opt.step()
+                reports.append(opt.last_report())
+            out[shard] = dict(reports=reports, params=copy(params))
     torch.save(out, sys.argv[6])
     leave_process_group()
 

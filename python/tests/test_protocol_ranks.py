@@ -138,3 +138,18 @@ def test_a_grad_scaler_refusing_on_one_rank_takes_part_in_the_step(tmp_path):
     assert "refused" not in a and "attach it before the first scale()" in b["refused"]
     for r in (a, b):
         assert (r["report"]["outcome"], r["report"]["reason"]) == ("skipped_inconsistent", "rank_refused")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_gradient_missing_on_one_rank_skips_the_step_on_every_rank(dtype, tmp_path):
+    # Found by an outside review: a parameter whose .grad is None on one rank only was stepped by
+    # the ranks that had it and left alone by the other: replicated weights diverged silently.
+    results = launch("gradpresence", dtype, tmp_path)
+    for shard in (True, False):
+        a, b = (r[shard] for r in results)
+        assert [(x["outcome"], x["reason"]) for x in a["reports"]][2] == ("skipped_inconsistent",
+                                                                          "hyperparameters_differ"), shard
+        assert [without(x, "held_elements") for x in a["reports"]] == \
+            [without(x, "held_elements") for x in b["reports"]], shard
+        assert same(a["params"], b["params"]), shard
+        assert [x["outcome"] for x in a["reports"]].count("applied") == 3, shard

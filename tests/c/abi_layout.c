@@ -27,7 +27,10 @@ int main(void) {
   FIELD(halfstep_tensor, model);
   FIELD(halfstep_tensor, numel);
   FIELD(halfstep_tensor, group);
-  FIELD(halfstep_tensor, exclude_from_norm);
+  FIELD(halfstep_tensor, duplicate);
+  FIELD(halfstep_tensor, tensor_id);
+  FIELD(halfstep_tensor, pad_);
+  FIELD(halfstep_tensor, offset);
   END();
 
   BEGIN(halfstep_group);
@@ -65,6 +68,18 @@ int main(void) {
   FIELD(halfstep_config, spike_ema_beta);
   FIELD(halfstep_config, spike_min_std);
   FIELD(halfstep_config, compute_dtype);
+  FIELD(halfstep_config, master_format);
+  FIELD(halfstep_config, exp_avg_format);
+  FIELD(halfstep_config, exp_avg_sq_format);
+  FIELD(halfstep_config, rounding);
+  FIELD(halfstep_config, seed);
+  END();
+
+  BEGIN(halfstep_state_bytes);
+  FIELD(halfstep_state_bytes, state);
+  FIELD(halfstep_state_bytes, gradient);
+  FIELD(halfstep_state_bytes, model);
+  FIELD(halfstep_state_bytes, moved);
   END();
 
   BEGIN(halfstep_report);

@@ -65,7 +65,7 @@ int halfstep_c_api_exercise(const char* dir) {
     tensors[t].model = model[t];
     tensors[t].numel = N;
     tensors[t].group = t;
-    tensors[t].exclude_from_norm = 0;
+    tensors[t].duplicate = 0;
     halfstep_group_init(&groups[t]);
   }
   groups[0].weight_decay = 0.01f;
@@ -151,14 +151,14 @@ int halfstep_c_api_exercise(const char* dir) {
                   strstr(halfstep_last_error(), "fixed") != NULL);
     moved[0] = grad[0];
     moved[1] = NULL; /* tensor 1 has no gradient this step: left alone */
-    CHECK(92, halfstep_set_gradients(opt, moved, 2, NULL) == HALFSTEP_OK);
+    CHECK(92, halfstep_set_gradients(opt, moved, 2, NULL, 0) == HALFSTEP_OK);
     memcpy(before, master[1], sizeof before);
     CHECK(93, halfstep_step(opt, NULL) == HALFSTEP_OK && halfstep_last_report(opt, &report) == HALFSTEP_OK);
     CHECK(94, report.outcome == HALFSTEP_APPLIED && report.numel == N && memcmp(before, master[1], sizeof before) == 0);
     back[0] = grad[0];
     back[1] = grad[1];
-    CHECK(95, halfstep_set_gradients(opt, back, 2, NULL) == HALFSTEP_OK);
-    CHECK(96, halfstep_set_gradients(opt, back, 1, NULL) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+    CHECK(95, halfstep_set_gradients(opt, back, 2, NULL, 0) == HALFSTEP_OK);
+    CHECK(96, halfstep_set_gradients(opt, back, 1, NULL, 0) == HALFSTEP_ERROR_INVALID_ARGUMENT);
     CHECK(97, halfstep_set_loss_scale(opt, 512.0f, NULL) == HALFSTEP_OK &&
                   halfstep_loss_scale(opt, &scale) == HALFSTEP_OK && scale == 512.0f);
     CHECK(98, halfstep_set_loss_scale(opt, 0.0f, NULL) == HALFSTEP_ERROR_INVALID_ARGUMENT);
@@ -217,7 +217,7 @@ int halfstep_c_api_exercise(const char* dir) {
     halfstep_destroy(rank[1]);
   }
   /* A tensor left out of the norm still updates but does not count. */
-  tensors[1].exclude_from_norm = 1;
+  tensors[1].duplicate = 1;
   CHECK(80, halfstep_create(tensors, 2, groups, 2, &config, &opt) == HALFSTEP_OK);
   CHECK(81, halfstep_step(opt, NULL) == HALFSTEP_OK && halfstep_last_report(opt, &report) == HALFSTEP_OK);
   CHECK(82, report.numel == N && report.outcome == HALFSTEP_APPLIED);

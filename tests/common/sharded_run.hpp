@@ -59,7 +59,7 @@ struct FlatBuffers {
 /// A parameter space: tensor sizes and groups, the initial buffers, and the gradients of every
 /// step (inf on one element now and then, a 100x spike now and then).
 struct ShardedCase {
-  std::vector<halfstep::ParamTensor> layout;  // numel, group and in_norm only
+  std::vector<halfstep::ParamTensor> layout;  // numel, group and duplicate only
   FlatBuffers initial;
   std::vector<std::vector<std::uint16_t>> grads;  // per step, the whole flat space
   halfstep::StepConfig config;

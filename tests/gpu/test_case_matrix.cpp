@@ -255,6 +255,14 @@ HostModel mirror_pass2(const HostModel& before, const StepReport& r, const StepC
       const float g = detail::unscale(static_cast<float>(t.grad_value(i)), d);
       float p = t.master[i], m = t.exp_avg[i], v = t.exp_avg_sq[i];
       detail::adamw_update(p, m, v, g, k);
+      // A bf16 model copy's master is stored canonical (the one fp32 value per even bf16 pattern
+      // that an int16 remainder cannot hold moves one ulp towards zero: halfstep/state.hpp).
+      if (t.with_model && c.model_dtype == DType::bf16 && detail::finite32(p)) {
+        std::uint32_t b;
+        std::memcpy(&b, &p, sizeof b);
+        b = canonical_master(b);
+        std::memcpy(&p, &b, sizeof p);
+      }
       const std::uint16_t model = to_bits16(c.model_dtype, p);
       const BitClass mc = classify_bits16(c.model_dtype, model);
       const bool model_ok = !t.with_model || (mc != BitClass::infinite && mc != BitClass::nan);

@@ -181,7 +181,7 @@ std::pair<std::vector<StepReport>, FlatBuffers> run_one(const ShardedCase& c) {
   std::vector<ParamTensor> whole = c.whole(host);
   // Point the views at the device copy (same offsets).
   for (ParamTensor& p : whole) {
-    const std::ptrdiff_t at = p.master - host.master.data();
+    const std::ptrdiff_t at = static_cast<float*>(p.master) - host.master.data();
     p.master = flat.master.ptr + at;
     p.grad = flat.grad.ptr + at;
     p.exp_avg = flat.exp_avg.ptr + at;
@@ -359,7 +359,7 @@ TEST_CASE("gpu two communicators (data- and tensor-parallel) reduce over every r
       if (r < 2) {  // R, whole, on ranks 0 and 1; only rank 0 counts it
         replica = std::make_unique<DeviceFlat>(extra.initial);
         ParamTensor p = replica->view();
-        p.in_norm = r == 0;
+        p.duplicate = r != 0;
         tensors.push_back(p);
       }
       FusedAdamW opt(tensors, c.config, Distributed{r, {tp, dp}});

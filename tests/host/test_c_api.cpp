@@ -20,7 +20,8 @@ namespace {
 std::vector<halfstep_tensor> c_tensors(HostModel& m) {
   std::vector<halfstep_tensor> out;
   for (const halfstep::ParamTensor& p : m.views()) {
-    out.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, p.in_norm ? 0 : 1});
+    out.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, p.duplicate ? 1 : 0,
+                   p.tensor_id, 0, p.offset});
   }
   return out;
 }

@@ -120,6 +120,9 @@ StepConfig distinct_config() {
   c.groups.resize(2);
   c.groups[0] = AdamWConfig{3e-4f, 0.85f, 0.995f, 1e-6f, 0.1f, true, false};
   c.groups[1] = AdamWConfig{1e-3f, 0.8f, 0.99f, 1e-7f, 0.01f, false, true};
+  c.state.exp_avg = MomentFormat::bf16;
+  c.state.rounding = Rounding::nearest;
+  c.state.seed = 0x0123456789ABCDEFull;
   return c;
 }
 
@@ -151,8 +154,33 @@ TEST_CASE("a state and its configuration round-trip bit-exactly", "[checkpoint]"
 }
 
 TEST_CASE("the format's bytes are fixed: a known state and configuration encode to known bytes", "[checkpoint]") {
-  // What version 3 is for these values: a change to any of these bytes breaks every checkpoint
+  // What version 4 is for these values: a change to any of these bytes breaks every checkpoint
   // already saved.
+  const std::string golden =
+      // "HSTP", version 4, 231 bytes of payload
+      "4853545004000000e7000000"
+      // the state
+      "b4a21146110000000100000005000000000000000300000000000000040000000000000055555555"
+      "5555d5bf0100000000000000d2040000000000000700000000000000020000000000000074f3c8f4"
+      "e50000004ff7c8f4e5000000"
+      // the configuration (grad, model and compute dtype first; the state formats, rounding and
+      // seed last), then 2 groups
+      "0100000000c03f00008044000040400000803e64000000020000000100000040000080490100006040"
+      "010000a04048e17a3f14000000010000003e09000000" "00010000efcdab8967452301" "02000000"
+      // the groups
+      "52499d399a99593f52b87e3fbd378635cdcccc3d01000000000000000000"
+      "6f12833acdcc4c3fa4707d3f95bfd6330ad7233c00010000000000000000"
+      // CRC-32
+      "784b185d";
+  const std::string bytes = encode_state(sample_state(), distinct_config());
+  CHECK(hex(bytes) == golden);
+  const SavedState back = decode_state(bytes);
+  CHECK(back.state == sample_state());
+  CHECK(encode_state(back.state, back.config) == bytes);  // every field read back where it was written
+}
+
+TEST_CASE("version 3 checkpoints still load: the same values, the state in fp32, stochastic rounding with seed 0", "[checkpoint]") {
+  // The version 3 bytes of the same state and configuration (no state formats).
   const std::string golden =
       // "HSTP", version 3, 219 bytes of payload
       "4853545003000000db000000"
@@ -168,11 +196,17 @@ TEST_CASE("the format's bytes are fixed: a known state and configuration encode 
       "6f12833acdcc4c3fa4707d3f95bfd6330ad7233c00010000000000000000"
       // CRC-32
       "de14d727";
-  const std::string bytes = encode_state(sample_state(), distinct_config());
-  CHECK(hex(bytes) == golden);
+  std::string bytes;
+  for (std::size_t i = 0; i + 1 < golden.size(); i += 2) bytes.push_back(static_cast<char>(std::stoi(golden.substr(i, 2), nullptr, 16)));
   const SavedState back = decode_state(bytes);
+  CHECK(back.version == 3);
   CHECK(back.state == sample_state());
-  CHECK(encode_state(back.state, back.config) == bytes);  // every field read back where it was written
+  CHECK(back.config.state.exp_avg == MomentFormat::f32);
+  CHECK(back.config.state.rounding == Rounding::stochastic);
+  CHECK(back.config.state.seed == 0);
+  StepConfig v3 = distinct_config();
+  v3.state = StateFormat{};
+  CHECK(encode_state(back.state, back.config) == encode_state(sample_state(), v3));
 }
 
 TEST_CASE("version 2 checkpoints still load: the same values, compute_dtype f16, step offsets 0", "[checkpoint]") {
@@ -192,7 +226,9 @@ TEST_CASE("version 2 checkpoints still load: the same values, compute_dtype f16,
   const SavedState back = decode_state(bytes);
   CHECK(back.state == sample_state());
   CHECK(back.config.compute_dtype == DType::f16);
-  CHECK(encode_state(back.state, back.config) == encode_state(sample_state(), distinct_config()));
+  StepConfig old = distinct_config();
+  old.state = StateFormat{};  // version 2 had no state formats either
+  CHECK(encode_state(back.state, back.config) == encode_state(sample_state(), old));
   CHECK_NOTHROW(load_state(bytes, distinct_config()));
 }
 
@@ -280,9 +316,9 @@ TEST_CASE("a wrong magic or an unknown version is rejected", "[checkpoint]") {
   magic[0] = 'X';
   expect_corrupt(magic, "wrong magic");
   expect_corrupt(std::string(200, '\0'), "wrong magic");
-  std::string v4 = bytes;
-  v4[4] = 4;
-  expect_corrupt(v4, "unknown format version 4");
+  std::string v5 = bytes;
+  v5[4] = 5;
+  expect_corrupt(v5, "unknown format version 5");
   std::string v1 = bytes;
   v1[4] = 1;
   expect_corrupt(v1, "version 1 recorded no configuration");
@@ -364,11 +400,13 @@ TEST_CASE("every single-bit flip with a recomputed checksum is refused or resume
       }
       (i < state_end ? accepted_state : accepted_config) += 1;
       CAPTURE(i, bit);
-      if (i >= state_end) {  // only fields that may differ: compute_dtype, max_grad_norm,
-                             // init_scale, and each group's lr, betas, eps, weight_decay and step_offset
-        const std::size_t group_base = i >= 171 ? 171 + (i - 171) / 30 * 30 : 0;
+      if (i >= state_end) {  // only fields that may differ: compute_dtype, max_grad_norm, init_scale,
+                             // the state formats, their rounding and seed, and each group's lr, betas,
+                             // eps, weight_decay and step_offset
+        const std::size_t group_base = i >= 183 ? 183 + (i - 183) / 30 * 30 : 0;
         const std::size_t in_group = i - group_base;
-        const bool allowed = (i >= 106 && i < 115) || (group_base != 0 && (in_group < 20 || in_group >= 22));
+        const bool allowed = (i >= 106 && i < 115) || (i >= 167 && i < 179) ||
+                             (group_base != 0 && (in_group < 20 || in_group >= 22));
         REQUIRE(allowed);
       }
       halfstep_test::HostModel run = m;
@@ -389,7 +427,7 @@ TEST_CASE("every single-bit flip with a recomputed checksum is refused or resume
   INFO("state: " << accepted_state << " of " << state_bits << " flips accepted; configuration: "
                  << accepted_config << " of " << config_bits);
   CHECK(state_bits == 736);
-  CHECK(config_bits == 1016);
+  CHECK(config_bits == 1112);
   CHECK(accepted_state < state_bits / 2);  // version 1 accepted 601 of these 736
 }
 

@@ -134,7 +134,7 @@ TEST_CASE("shard cuts tensors anywhere and names where each piece came from", "[
   layout[1].numel = 0;
   layout[2].numel = 5;
   layout[2].group = 1;
-  layout[2].in_norm = false;
+  layout[2].duplicate = true;
   FlatBuffers flat = ShardedCase::make(1, DType::f16, 0, 2).initial;  // any buffers of 15 elements
   flat.master.assign(7, 0.0f);
   flat.exp_avg.assign(7, 0.0f);
@@ -150,7 +150,7 @@ TEST_CASE("shard cuts tensors anywhere and names where each piece came from", "[
   CHECK(s.tensors[1].master == flat.master.data() + 4);
   CHECK(s.tensors[1].grad == flat.grad.data() + 4);
   CHECK(s.tensors[1].group == 1);
-  CHECK_FALSE(s.tensors[1].in_norm);
+  CHECK(s.tensors[1].duplicate);
   CHECK_THROWS_WITH(shard(layout, 6, 16, flat.view()), Catch::Contains("must lie in the parameter space"));
   CHECK_THROWS_WITH(shard(layout, 6, 12, flat.view()), Catch::Contains("flat.numel must be end - begin = 6"));
   CHECK(even_shard(10, 3, 0) == std::make_pair<std::int64_t, std::int64_t>(0, 4));

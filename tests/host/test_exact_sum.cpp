@@ -54,9 +54,9 @@ std::vector<std::vector<ParamTensor>> cut(halfstep_test::HostModel& m, const std
       const std::int64_t end = s < cuts.size() ? std::min(t.numel, cuts[s] - at) : t.numel;
       ParamTensor p = t;
       p.grad = static_cast<const unsigned char*>(t.grad) + i * static_cast<std::int64_t>(element_size(m.tensors[0].grad_dtype));
-      p.master += i;
-      p.exp_avg += i;
-      p.exp_avg_sq += i;
+      p.master = static_cast<float*>(p.master) + i;
+      p.exp_avg = static_cast<float*>(p.exp_avg) + i;
+      p.exp_avg_sq = static_cast<float*>(p.exp_avg_sq) + i;
       p.model = t.model != nullptr ? static_cast<std::uint16_t*>(t.model) + i : nullptr;
       p.numel = end - i;
       shards[s].push_back(p);
@@ -235,14 +235,14 @@ TEST_CASE("a tensor outside the norm adds its inf/NaN and its maximum only", "[e
   const TotalsSummary first_only = summarize(detail::reference_measure({v[0]}, c, 0, nullptr), DType::f16);
   m.tensors[1].grad[7] = 0x7BFF;  // the largest value is in the excluded tensor
   v = m.views();
-  v[1].in_norm = false;
+  v[1].duplicate = true;
   TotalsSummary s = summarize(detail::reference_measure(v, c, 3, nullptr), DType::f16);
   CHECK(same_bits(s.sum_sq, first_only.sum_sq));
   CHECK(s.numel == 100);
   CHECK(s.max_abs == 65504.0f);
   m.tensors[1].grad[9] = 0xFC00;  // -inf in the excluded tensor still counts
   v = m.views();
-  v[1].in_norm = false;
+  v[1].duplicate = true;
   s = summarize(detail::reference_measure(v, c, 3, nullptr), DType::f16);
   CHECK(s.nonfinite == 1);
   CHECK(s.first_nonfinite_rank == 3);

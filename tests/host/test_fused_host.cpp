@@ -274,7 +274,7 @@ TEST_CASE("setup rejects bad input before touching CUDA", "[fused][validate]") {
     c.groups.clear();
     CHECK_THROWS_WITH(FusedAdamW(m.views(), c, backend), Catch::Contains("StepConfig.groups"));
     v = m.views();
-    v[0].exp_avg_sq = v[0].exp_avg + 1;
+    v[0].exp_avg_sq = static_cast<float*>(v[0].exp_avg) + 1;
     CHECK_THROWS_WITH(FusedAdamW(v, StepConfig{}, backend), Catch::Contains("overlap"));
     c = StepConfig{};
     c.scaler.backoff_factor = 2.0f;

@@ -487,7 +487,7 @@ TEST_CASE("a header nested deeper than safetensors needs is refused before it is
     const HostModel before = m;
     std::vector<halfstep_tensor> ts;
     for (const ParamTensor& p : m.views()) {
-      ts.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, 0});
+      ts.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, 0, 0, 0, 0});
     }
     halfstep_config c;
     halfstep_config_init(&c);

@@ -226,7 +226,7 @@ TEST_CASE("bad scaler and spike configs are rejected through StepConfig", "[vali
 TEST_CASE("overlapping buffers are rejected naming both", "[validate]") {
   HostModel m = three_tensors();
   auto v = m.views();
-  v[1].exp_avg = v[1].master + 2;  // moment shares memory with the master
+  v[1].exp_avg = static_cast<float*>(v[1].master) + 2;  // moment shares memory with the master
   expect_rejected(v, StepConfig{}, "overlap");
   v = m.views();
   v[2].master = v[0].master;  // two tensors share a master (sizes 5 and 3)

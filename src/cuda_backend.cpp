@@ -182,11 +182,16 @@ class CudaImpl final : public FusedAdamW::Impl {
     return lr;
   }
 
-  void restore(const OptimizerState& s, const std::vector<AdamWConfig>& groups) override {
+  void restore(const OptimizerState& s, const std::vector<AdamWConfig>& groups, Rounding rounding,
+               std::uint64_t seed) override {
     if (config_.host_driven) scaler_.set_state(s.scaler);  // validated already: cannot throw here
     wait_last_step();
     write_state(s);
     config_.groups = groups;
+    config_.state.rounding = rounding;  // the kernels' arguments: the next launch takes them
+    config_.state.seed = seed;
+    finalize_.decide.seed = seed;
+    apply_.state = config_.state;
     upload_groups();
     settle_uploads();
     attempts_ = s.attempts;
@@ -198,7 +203,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     config_.groups[g] = h;
   }
 
-  void set_gradients(const std::vector<const void*>& grads, Stream stream) override {
+  void set_gradients(const std::vector<const void*>& grads, Stream stream, std::uint64_t key) override {
     std::vector<ParamTensor> next = tensors_;
     for (std::size_t t = 0; t < grads.size(); ++t) {
       if (grads[t] != tensors_[t].grad) require_device_buffer(grads[t], tensors_[t].numel, t, "grad", device_);
@@ -208,6 +213,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     // Every batch goes, also the unchanged: one call leaves the table as `grads` say.
     GradBatch batch{};
     batch.numel = numel;
+    batch.key = key;
     for (std::size_t first = 0; first < next.size() || first == 0; first += kGradBatch) {
       batch.first = static_cast<std::int32_t>(first);
       batch.count = static_cast<std::int32_t>(std::min<std::size_t>(kGradBatch, next.size() - first));
@@ -288,13 +294,9 @@ class CudaImpl final : public FusedAdamW::Impl {
     }
     HALFSTEP_CUDA_CHECK(cudaGetDevice(&device_));
     for (std::size_t c = 0; c < dist_.comms.size(); ++c) check_communicator(dist_.comms[c], c, device_);
+    const auto slots = slot_layouts(config_);
     for (std::size_t t = 0; t < tensors_.size(); ++t) {
-      const ParamTensor& p = tensors_[t];
-      require_device_buffer(p.master, p.numel, t, "master", device_);
-      require_device_buffer(p.grad, p.numel, t, "grad", device_);
-      require_device_buffer(p.exp_avg, p.numel, t, "exp_avg", device_);
-      require_device_buffer(p.exp_avg_sq, p.numel, t, "exp_avg_sq", device_);
-      require_device_buffer(p.model, p.numel, t, "model", device_);
+      for (const SlotLayout& s : slots) require_device_buffer(slot_pointer(tensors_[t], s.slot), tensors_[t].numel, t, s.name, device_);
     }
   }
 
@@ -309,7 +311,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     upload(ws_.tensors, table.tensors.data(), n_tensors_);
     upload(ws_.chunks, table.chunks.data(), table.chunks.size());
     upload_groups();
-    const StepInputs inputs{table.numel_in_norm, ScaleInputs{}};
+    const StepInputs inputs{table.numel_in_norm, 0, ScaleInputs{}};
     upload(ws_.inputs, &inputs, 1);
     write_state(OptimizerState::initial(config_));
     const std::uint32_t hint = initial_window_hint(config_);
@@ -336,7 +338,7 @@ class CudaImpl final : public FusedAdamW::Impl {
                              ws_.inputs, dist_.rank, config_.grad_dtype,
                              ws_.state, ws_.report, ws_.decision, ws_.params, ws_.lr, ws_.consts,
                              static_cast<std::int32_t>(config_.groups.size()), decide_params(config_)};
-    apply_ = ApplyArgs{config_.grad_dtype, config_.model_dtype, ws_.tensors, ws_.chunks, n_chunks_,
+    apply_ = ApplyArgs{config_.grad_dtype, config_.model_dtype, config_.state, ws_.tensors, ws_.chunks, n_chunks_,
                        ws_.decision, ws_.consts, ws_.report};
   }
 

@@ -31,7 +31,7 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   }
   void step_local(Stream) override {
     begin_local("step_local");
-    totals_ = reference_measure(tensors_, config_, rank_, &nonfinite_, scale_, state_.scaler.scale);
+    totals_ = reference_measure(tensors_, config_, rank_, &nonfinite_, scale_, state_.scaler.scale, grads_key_);
     local_pending_ = true;
   }
   void step_local_refused(Stream) override {
@@ -87,15 +87,19 @@ class ReferenceImpl final : public FusedAdamW::Impl {
     for (const AdamWConfig& h : config_.groups) lr.push_back(h.lr);
     return lr;
   }
-  void restore(const OptimizerState& state, const std::vector<AdamWConfig>& groups) override {
+  void restore(const OptimizerState& state, const std::vector<AdamWConfig>& groups, Rounding rounding,
+               std::uint64_t seed) override {
     state_ = state;
     config_.groups = groups;
+    config_.state.rounding = rounding;
+    config_.state.seed = seed;
   }
   void set_group(std::int32_t group, const AdamWConfig& h, Stream) override {
     config_.groups[static_cast<std::size_t>(group)] = h;
   }
-  void set_gradients(const std::vector<const void*>& grads, Stream) override {
+  void set_gradients(const std::vector<const void*>& grads, Stream, std::uint64_t key) override {
     for (std::size_t t = 0; t < grads.size(); ++t) tensors_[t].grad = grads[t];
+    grads_key_ = key;
   }
   void mark_unscaled(Stream) override { scale_.unscaled = 1; }
   void use_external_scale(const float* scale, const float* found_inf, Stream) override {
@@ -133,6 +137,7 @@ class ReferenceImpl final : public FusedAdamW::Impl {
   std::vector<std::int64_t> nonfinite_;
   bool has_report_ = false;
   ScaleInputs scale_{};  // mark_unscaled, use_external_scale: how the next step's gradients were scaled
+  std::uint64_t grads_key_ = 0;  // set_gradients: which of the model's tensors have a gradient
   bool local_pending_ = false;
 };
 

@@ -1,0 +1,167 @@
+// Internal: the kernels' codecs of the state formats, host-and-device so that host tests run the
+// very code pass 2 runs. A codec decodes a stored element to an fp32 register, and encodes an fp32
+// result back with the format's rounding, saying whether what it would store is finite (pass 2
+// keeps an element's old values otherwise: invariant 11). The AdamW arithmetic between decode and
+// encode is adamw_update, in fp32, for every format alike.
+//
+// The random bits of stochastic rounding are a hash of (seed, applied step, tensor id, element
+// index in the whole tensor), never of a thread, a rank or a shard, so that any number of ranks and
+// a resumed run round every element alike. The hash is splitmix64's finalizer (mix64):
+//   step key    k_s = mix64(seed ^ mix64(step))
+//   tensor key  k_t = mix64(k_s + tensor_id · 0x9E3779B97F4A7C15)
+//   element     r   = mix64(k_t + index · 0xD1B54A32D192ED03)
+// exp_avg rounds with bits 0-15 of r, exp_avg_sq with bits 16-31 (docs/design.md states it, and
+// the reference backend computes it on its own).
+#pragma once
+
+#include <cuda_fp16.h>  // __float2half_rn: binary16 rounding, on the host and the device alike
+#include <string.h>
+
+#include <cstdint>
+
+#include "halfstep/config.hpp"
+#include "halfstep/formats.hpp"
+#include "halfstep/state.hpp"
+
+namespace halfstep::detail {
+
+HALFSTEP_HD inline std::uint32_t bits_of(float x) {
+  std::uint32_t b;
+  ::memcpy(&b, &x, sizeof b);
+  return b;
+}
+HALFSTEP_HD inline float float_of(std::uint32_t b) {
+  float x;
+  ::memcpy(&x, &b, sizeof x);
+  return x;
+}
+
+/// True for a finite fp32 value (x - x is NaN for inf and NaN).
+HALFSTEP_HD inline bool finite32(float x) { return x - x == 0.0f; }
+
+// -- the random bits of stochastic rounding ---------------------------------------------------------
+
+HALFSTEP_HD inline std::uint64_t mix64(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+/// The key of an applied step (`step` counts it: 1 for the first).
+HALFSTEP_HD inline std::uint64_t step_key(std::uint64_t seed, std::int64_t step) {
+  return mix64(seed ^ mix64(static_cast<std::uint64_t>(step)));
+}
+/// The key of a tensor within a step.
+HALFSTEP_HD inline std::uint64_t tensor_key(std::uint64_t step, std::uint32_t tensor_id) {
+  return mix64(step + static_cast<std::uint64_t>(tensor_id) * 0x9E3779B97F4A7C15ull);
+}
+/// The random bits of element `index` of a tensor (its index in the whole tensor).
+HALFSTEP_HD inline std::uint64_t element_bits(std::uint64_t tensor, std::int64_t index) {
+  return mix64(tensor + static_cast<std::uint64_t>(index) * 0xD1B54A32D192ED03ull);
+}
+
+// -- bfloat16 ---------------------------------------------------------------------------------------
+
+HALFSTEP_HD inline float bf16_value(std::uint16_t b) { return float_of(static_cast<std::uint32_t>(b) << 16); }
+HALFSTEP_HD inline bool bf16_finite(std::uint16_t b) {
+  return (b & format_bits(DType::bf16).exponent) != format_bits(DType::bf16).exponent;
+}
+/// A finite fp32 value to bf16, to nearest, ties to even (past bf16's range: infinity).
+HALFSTEP_HD inline std::uint16_t bf16_nearest(float x) {
+  const std::uint32_t b = bits_of(x);
+  return static_cast<std::uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+/// A finite fp32 value to bf16, rounded up in magnitude with probability (discarded bits) / 2^16:
+/// `random` holds 16 uniform bits.
+HALFSTEP_HD inline std::uint16_t bf16_stochastic(float x, std::uint32_t random) {
+  return static_cast<std::uint16_t>((bits_of(x) + (random & 0xFFFFu)) >> 16);
+}
+
+// -- moments ----------------------------------------------------------------------------------------
+
+template <MomentFormat kFormat>
+struct MomentCodec;
+
+template <>
+struct MomentCodec<MomentFormat::f32> {
+  using Stored = float;
+  HALFSTEP_HD static float decode(float s) { return s; }
+  /// The stored value of `x`, and whether it is finite.
+  HALFSTEP_HD static bool encode(float x, bool /*stochastic*/, std::uint32_t /*random*/, float& out) {
+    out = x;
+    return finite32(x);
+  }
+};
+
+template <>
+struct MomentCodec<MomentFormat::bf16> {
+  using Stored = std::uint16_t;
+  HALFSTEP_HD static float decode(std::uint16_t s) { return bf16_value(s); }
+  HALFSTEP_HD static bool encode(float x, bool stochastic, std::uint32_t random, std::uint16_t& out) {
+    if (!finite32(x)) return false;
+    out = stochastic ? bf16_stochastic(x, random) : bf16_nearest(x);
+    return bf16_finite(out);  // a value near fp32's largest rounds past bf16's
+  }
+};
+
+// -- masters ----------------------------------------------------------------------------------------
+
+/// The master a step with a bf16 model copy stores for the fp32 result `p`: `p`, except the upper
+/// tie above an even bf16 pattern (low half 0x8000, the pattern's lowest bit clear), which 16 bits
+/// of remainder cannot hold; it becomes its neighbour towards zero, which rounds to the same bf16
+/// value. halfstep::canonical_master states the same rule for the host.
+HALFSTEP_HD inline float canonical_master(float p) {
+  const std::uint32_t b = bits_of(p);
+  return (b & 0x1FFFFu) == 0x8000u ? float_of(b - 1u) : p;
+}
+
+/// A model copy's pattern from an fp32 master, to nearest even, per format.
+template <DType kModel>
+HALFSTEP_HD inline std::uint16_t model_of(float p);
+template <>
+HALFSTEP_HD inline std::uint16_t model_of<DType::bf16>(float p) {
+  return bf16_nearest(p);
+}
+template <>
+HALFSTEP_HD inline std::uint16_t model_of<DType::f16>(float p) {
+  return __half_as_ushort(__float2half_rn(p));
+}
+
+template <MasterFormat kFormat, DType kModel>
+struct MasterCodec;
+
+/// fp32 masters: the model copy (if the tensor has one) is the master rounded to its format.
+template <DType kModel>
+struct MasterCodec<MasterFormat::f32, kModel> {
+  using Stored = float;
+  static constexpr bool kReadsModel = false;
+  HALFSTEP_HD static float decode(float stored, std::uint16_t /*model*/) { return stored; }
+  /// The stored master and model copy of the new master `p`, and whether both are finite.
+  HALFSTEP_HD static bool encode(float p, bool with_model, float& stored, std::uint16_t& model) {
+    if (!finite32(p)) return false;
+    if (kModel == DType::bf16 && with_model) p = canonical_master(p);
+    stored = p;
+    if (!with_model) return true;
+    model = model_of<kModel>(p);
+    return (model & format_bits(kModel).exponent) != format_bits(kModel).exponent;
+  }
+};
+
+/// bf16 model copy plus int16 remainder: master bits = model·2^16 + remainder.
+template <>
+struct MasterCodec<MasterFormat::bf16_remainder, DType::bf16> {
+  using Stored = std::uint16_t;  // the remainder's two's-complement bits
+  static constexpr bool kReadsModel = true;
+  HALFSTEP_HD static float decode(std::uint16_t remainder, std::uint16_t model) {
+    return float_of((static_cast<std::uint32_t>(model) << 16) +
+                    static_cast<std::uint32_t>(static_cast<std::int32_t>(static_cast<std::int16_t>(remainder))));
+  }
+  HALFSTEP_HD static bool encode(float p, bool /*with_model: always*/, std::uint16_t& stored, std::uint16_t& model) {
+    if (!finite32(p)) return false;
+    const std::uint32_t b = bits_of(canonical_master(p));
+    model = bf16_nearest(float_of(b));
+    stored = static_cast<std::uint16_t>(b - (static_cast<std::uint32_t>(model) << 16));
+    return bf16_finite(model);
+  }
+};
+
+}  // namespace halfstep::detail
