@@ -98,21 +98,21 @@ struct Formats {
   static constexpr bool kNarrow = kM != MomentFormat::f32 || kV != MomentFormat::f32;
 };
 
-// One element: decoded, updated by AdamW in fp32, encoded back in place; an element whose encoded
+// One element: decoded, updated by AdamW in fp32, encoded back in place (bf16 moments rounded
+// stochastically with `random`'s halves when kDraw, else to nearest); an element whose encoded
 // values would not all be finite keeps its old ones. Returns whether it was kept.
-template <class F>
+template <class F, bool kDraw>
 __device__ inline bool update_element(typename F::Master::Stored& ps, std::uint16_t& model, typename F::M::Stored& ms,
-                                      typename F::V::Stored& vs, float g, bool with_model, bool stochastic,
-                                      std::uint64_t random, const GroupConsts& k) {
+                                      typename F::V::Stored& vs, float g, bool with_model, std::uint32_t random,
+                                      const GroupConsts& k) {
   float p = F::Master::decode(ps, model), m = F::M::decode(ms), v = F::V::decode(vs);
   adamw_update(p, m, v, g, k);
   typename F::Master::Stored ps_new{};
   typename F::M::Stored ms_new{};
   typename F::V::Stored vs_new{};
   std::uint16_t model_new = 0;
-  const bool ok = F::Master::encode(p, with_model, ps_new, model_new) &
-                  F::M::encode(m, stochastic, static_cast<std::uint32_t>(random), ms_new) &
-                  F::V::encode(v, stochastic, static_cast<std::uint32_t>(random >> 16), vs_new);
+  const bool ok = F::Master::encode(p, with_model, ps_new, model_new) & F::M::encode(m, kDraw, random, ms_new) &
+                  F::V::encode(v, kDraw, random >> 16, vs_new);
   if (!ok) return true;
   ps = ps_new;
   ms = ms_new;
@@ -121,25 +121,15 @@ __device__ inline bool update_element(typename F::Master::Stored& ps, std::uint1
   return false;
 }
 
-// At most 64 registers a thread, so an H100/H200 SM holds 4 blocks (half occupancy) to keep
-// enough loads in flight.
-template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
-__global__ void __launch_bounds__(kPassThreads, 4)
-    apply_kernel(const TensorDesc* __restrict__ tensors, const ChunkDesc* __restrict__ chunks,
-                 const Decision* __restrict__ decision, const GroupConsts* __restrict__ consts,
-                 unsigned long long* __restrict__ held_elements, const int stochastic) {
-  using F = Formats<kModel, kMaster, kM, kV>;
+// Pass 2 over one chunk of a tensor, with the rounding's random bits drawn (kDraw) or not: kept
+// apart so that each loop holds only its own code. Returns the elements held.
+template <DType kGrad, class F, bool kDraw>
+__device__ inline unsigned apply_chunk(const TensorDesc& tensor, const ChunkDesc& chunk, const Decision& d,
+                                       const GroupConsts& k) {
   using PS = typename F::Master::Stored;
   using MS = typename F::M::Stored;
   using VS = typename F::V::Stored;
   constexpr int kW = kWidth<kGrad>;
-  if (decision->apply == 0) return;
-  const Decision d = *decision;
-  const ChunkDesc chunk = chunks[blockIdx.x];
-  const TensorDesc tensor = tensors[chunk.tensor];
-  const GroupConsts k = consts[tensor.group];
-
-  if (tensor.grad == nullptr) return;  // no gradient for this tensor in this step: left alone
   const void* grad = kGrad == DType::f32 ? static_cast<const void*>(static_cast<const float*>(tensor.grad) + chunk.begin)
                                           : static_cast<const void*>(static_cast<const std::uint16_t*>(tensor.grad) + chunk.begin);
   PS* master = static_cast<PS*>(tensor.master) + chunk.begin;
@@ -148,8 +138,7 @@ __global__ void __launch_bounds__(kPassThreads, 4)
   auto* model = tensor.model ? static_cast<std::uint16_t*>(tensor.model) + chunk.begin : nullptr;
   const bool with_model = model != nullptr;
   // Stochastic rounding's bits: keyed by the step, the tensor and each element's index in it.
-  const bool draw = F::kNarrow && stochastic != 0;
-  const std::uint64_t key = draw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
+  const std::uint64_t key = kDraw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
   const std::int64_t first = tensor.key_offset + chunk.begin;
 
   unsigned held = 0;  // elements this thread kept because their update was not finite
@@ -171,8 +160,8 @@ __global__ void __launch_bounds__(kPassThreads, 4)
       unsigned kept = 0;  // bit j: element j keeps its old values
 #pragma unroll
       for (int j = 0; j < kW; ++j) {
-        const std::uint64_t random = draw ? element_bits(key, first + at + j) : 0;
-        if (update_element<F>(p[j], out[j], m[j], v[j], unscale(g[j], d), with_model, draw, random, k)) {
+        const std::uint32_t random = kDraw ? element_bits(key, first + at + j) : 0u;
+        if (update_element<F, kDraw>(p[j], out[j], m[j], v[j], unscale(g[j], d), with_model, random, k)) {
           kept |= 1u << j;
         }
       }
@@ -199,8 +188,8 @@ __global__ void __launch_bounds__(kPassThreads, 4)
     MS m = exp_avg[i];
     VS v = exp_avg_sq[i];
     std::uint16_t out = F::Master::kReadsModel ? model[i] : 0;
-    const std::uint64_t random = draw ? element_bits(key, first + i) : 0;
-    if (update_element<F>(p, out, m, v, unscale(load_grad<kGrad>(grad, i), d), with_model, draw, random, k)) {
+    const std::uint32_t random = kDraw ? element_bits(key, first + i) : 0u;
+    if (update_element<F, kDraw>(p, out, m, v, unscale(load_grad<kGrad>(grad, i), d), with_model, random, k)) {
       ++held;
       continue;
     }
@@ -208,6 +197,29 @@ __global__ void __launch_bounds__(kPassThreads, 4)
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     if (with_model) model[i] = out;
+  }
+  return held;
+}
+
+// At most 64 registers a thread, so an H100/H200 SM holds 4 blocks (half occupancy) to keep
+// enough loads in flight.
+template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
+__global__ void __launch_bounds__(kPassThreads, 4)
+    apply_kernel(const TensorDesc* __restrict__ tensors, const ChunkDesc* __restrict__ chunks,
+                 const Decision* __restrict__ decision, const GroupConsts* __restrict__ consts,
+                 unsigned long long* __restrict__ held_elements, const int stochastic) {
+  using F = Formats<kModel, kMaster, kM, kV>;
+  if (decision->apply == 0) return;
+  const Decision d = *decision;
+  const ChunkDesc chunk = chunks[blockIdx.x];
+  const TensorDesc tensor = tensors[chunk.tensor];
+  const GroupConsts k = consts[tensor.group];
+  if (tensor.grad == nullptr) return;  // no gradient for this tensor in this step: left alone
+  unsigned held;
+  if constexpr (F::kNarrow) {  // stochastic rounding draws bits only where a moment is narrower than fp32
+    held = stochastic != 0 ? apply_chunk<kGrad, F, true>(tensor, chunk, d, k) : apply_chunk<kGrad, F, false>(tensor, chunk, d, k);
+  } else {
+    held = apply_chunk<kGrad, F, false>(tensor, chunk, d, k);
   }
   if (held != 0) atomicAdd(held_elements, static_cast<unsigned long long>(held));  // integer: exact
 }

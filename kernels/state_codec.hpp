@@ -6,10 +6,12 @@
 //
 // The random bits of stochastic rounding are a hash of (seed, applied step, tensor id, element
 // index in the whole tensor), never of a thread, a rank or a shard, so that any number of ranks and
-// a resumed run round every element alike. The hash is splitmix64's finalizer (mix64):
+// a resumed run round every element alike. Keys in 64 bits with splitmix64's finalizer (mix64),
+// once a step and once a tensor; each element's 32 bits with murmur3's 32-bit finalizer (fmix32,
+// a bijection: distinct indices of a tensor get distinct bits), about ten instructions:
 //   step key    k_s = mix64(seed ^ mix64(step))
 //   tensor key  k_t = mix64(k_s + tensor_id · 0x9E3779B97F4A7C15)
-//   element     r   = mix64(k_t + index · 0xD1B54A32D192ED03)
+//   element     r   = fmix32(lo32(index) ^ lo32(k_t) ^ (hi32(index) + hi32(k_t)) · 0x9E3779B9)
 // exp_avg rounds with bits 0-15 of r, exp_avg_sq with bits 16-31 (docs/design.md states it, and
 // the reference backend computes it on its own).
 #pragma once
@@ -54,9 +56,18 @@ HALFSTEP_HD inline std::uint64_t step_key(std::uint64_t seed, std::int64_t step)
 HALFSTEP_HD inline std::uint64_t tensor_key(std::uint64_t step, std::uint32_t tensor_id) {
   return mix64(step + static_cast<std::uint64_t>(tensor_id) * 0x9E3779B97F4A7C15ull);
 }
+HALFSTEP_HD inline std::uint32_t fmix32(std::uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
 /// The random bits of element `index` of a tensor (its index in the whole tensor).
-HALFSTEP_HD inline std::uint64_t element_bits(std::uint64_t tensor, std::int64_t index) {
-  return mix64(tensor + static_cast<std::uint64_t>(index) * 0xD1B54A32D192ED03ull);
+HALFSTEP_HD inline std::uint32_t element_bits(std::uint64_t tensor, std::int64_t index) {
+  const auto i = static_cast<std::uint64_t>(index);
+  const auto lo = static_cast<std::uint32_t>(i), hi = static_cast<std::uint32_t>(i >> 32);
+  return fmix32(lo ^ static_cast<std::uint32_t>(tensor) ^ ((hi + static_cast<std::uint32_t>(tensor >> 32)) * 0x9E3779B9u));
 }
 
 // -- bfloat16 ---------------------------------------------------------------------------------------

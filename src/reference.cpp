@@ -101,7 +101,8 @@ std::uint32_t bits_of_float(float x) {
 }
 
 // Stochastic rounding's random bits, as docs/design.md states them: splitmix64's finalizer over
-// (seed, applied step), then the tensor's id, then the element's index in the whole tensor.
+// (seed, applied step), then the tensor's id; murmur3's 32-bit finalizer over the element's index
+// in the whole tensor, mixed with that key.
 std::uint64_t splitmix(std::uint64_t z) {
   z ^= z >> 30;
   z *= 0xBF58476D1CE4E5B9ull;
@@ -109,10 +110,21 @@ std::uint64_t splitmix(std::uint64_t z) {
   z *= 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
-std::uint64_t random_bits(std::uint64_t seed, std::int64_t step, std::uint32_t tensor_id, std::int64_t index) {
+std::uint32_t murmur_finalizer(std::uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+std::uint32_t random_bits(std::uint64_t seed, std::int64_t step, std::uint32_t tensor_id, std::int64_t index) {
   const std::uint64_t k_step = splitmix(seed ^ splitmix(static_cast<std::uint64_t>(step)));
   const std::uint64_t k_tensor = splitmix(k_step + std::uint64_t{tensor_id} * 0x9E3779B97F4A7C15ull);
-  return splitmix(k_tensor + static_cast<std::uint64_t>(index) * 0xD1B54A32D192ED03ull);
+  const std::uint64_t i = static_cast<std::uint64_t>(index);
+  const std::uint32_t mixed = static_cast<std::uint32_t>(i) ^ static_cast<std::uint32_t>(k_tensor) ^
+                              ((static_cast<std::uint32_t>(i >> 32) + static_cast<std::uint32_t>(k_tensor >> 32)) *
+                               0x9E3779B9u);
+  return murmur_finalizer(mixed);
 }
 
 // A moment's value as stored.
@@ -175,11 +187,11 @@ std::int64_t apply_tensor(const ParamTensor& p, std::size_t index, const StepCon
     const double v = beta2 * moment_value(f.exp_avg_sq, p.exp_avg_sq, i) + (1.0 - beta2) * g * g;
     w = w - (lr / bc1) * m / (std::sqrt(v) / std::sqrt(bc2) + eps);
     float new_w = static_cast<float>(w);
-    const std::uint64_t random = f.rounding == Rounding::stochastic ? random_bits(f.seed, t, id, p.offset + i) : 0;
+    const std::uint32_t random = f.rounding == Rounding::stochastic ? random_bits(f.seed, t, id, p.offset + i) : 0;
     std::uint32_t m_bits = 0, v_bits = 0;
     bool finite = std::isfinite(new_w) &&
-                  encode_moment(f.exp_avg, f.rounding, static_cast<float>(m), static_cast<std::uint32_t>(random), m_bits) &&
-                  encode_moment(f.exp_avg_sq, f.rounding, static_cast<float>(v), static_cast<std::uint32_t>(random >> 16),
+                  encode_moment(f.exp_avg, f.rounding, static_cast<float>(m), random, m_bits) &&
+                  encode_moment(f.exp_avg_sq, f.rounding, static_cast<float>(v), random >> 16,
                                 v_bits);
     if (finite && canonical) new_w = float_of_bits(canonical_master(bits_of_float(new_w)));
     // The model copy is the stored fp32 master, rounded once; with remainders, half of it.

@@ -23,7 +23,7 @@ fi
 
 # Python's safetensors package (PyPI; Debian has none) for the checkpoint interoperability tests,
 # in a virtual environment at .venv that also sees Debian's numpy and matplotlib; and NVIDIA's
-# cuobjdump and nvdisasm (PyPI's nvidia-cuda-cuobjdump and -nvdisasm), with which tools/count_pass1_instructions.py counts
+# cuobjdump and nvdisasm (PyPI's nvidia-cuda-cuobjdump and -nvdisasm), with which tools/count_instructions.py counts
 # the instructions the GPU issues.
 root=$(cd "$(dirname "$0")/.." && pwd)
 if ! "$root/.venv/bin/python" -c "import safetensors, numpy" >/dev/null 2>&1; then

@@ -13,22 +13,31 @@
 
 #include "halfstep/distributed.hpp"
 #include "halfstep/formats.hpp"
+#include "halfstep/state.hpp"
 #include "halfstep/step.hpp"
 
 namespace halfstep_test {
 
-/// The five buffers of a flat range of the parameter space, on the host.
+/// The five buffers of a flat range of the parameter space, on the host, the state in `format`:
+/// fp32 masters and moments in master, exp_avg, exp_avg_sq; a remainder master's int16 bits in
+/// remainder (beside the bf16 model); bf16 moments' bits in exp_avg16, exp_avg_sq16.
 struct FlatBuffers {
   std::vector<float> master, exp_avg, exp_avg_sq;
   std::vector<std::uint16_t> grad, model;
+  std::vector<std::uint16_t> remainder, exp_avg16, exp_avg_sq16;
+  halfstep::StateFormat format{};
+
+  std::int64_t numel() const { return static_cast<std::int64_t>(grad.size()); }
   halfstep::ParamTensor view() {
+    using halfstep::MasterFormat;
+    using halfstep::MomentFormat;
     halfstep::ParamTensor p;
-    p.master = master.data();
+    p.master = format.master == MasterFormat::f32 ? static_cast<void*>(master.data()) : remainder.data();
     p.grad = grad.data();
-    p.exp_avg = exp_avg.data();
-    p.exp_avg_sq = exp_avg_sq.data();
+    p.exp_avg = format.exp_avg == MomentFormat::f32 ? static_cast<void*>(exp_avg.data()) : exp_avg16.data();
+    p.exp_avg_sq = format.exp_avg_sq == MomentFormat::f32 ? static_cast<void*>(exp_avg_sq.data()) : exp_avg_sq16.data();
     p.model = model.data();
-    p.numel = static_cast<std::int64_t>(master.size());
+    p.numel = numel();
     return p;
   }
   /// `more`'s elements after these (shards joined in rank order).
@@ -39,20 +48,79 @@ struct FlatBuffers {
     join(exp_avg_sq, more.exp_avg_sq);
     join(grad, more.grad);
     join(model, more.model);
+    join(remainder, more.remainder);
+    join(exp_avg16, more.exp_avg16);
+    join(exp_avg_sq16, more.exp_avg_sq16);
+    format = more.format;
   }
   /// Elements [begin, end).
   FlatBuffers slice(std::int64_t begin, std::int64_t end) const {
     auto cut = [&](const auto& v) {
-      return std::decay_t<decltype(v)>(v.begin() + begin, v.begin() + end);
+      return v.empty() ? v : std::decay_t<decltype(v)>(v.begin() + begin, v.begin() + end);
     };
-    return FlatBuffers{cut(master), cut(exp_avg), cut(exp_avg_sq), cut(grad), cut(model)};
+    return FlatBuffers{cut(master),    cut(exp_avg),   cut(exp_avg_sq),   cut(grad), cut(model),
+                       cut(remainder), cut(exp_avg16), cut(exp_avg_sq16), format};
   }
   bool operator==(const FlatBuffers& o) const {
     auto same = [](const auto& a, const auto& b) {
       return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
     };
     return same(master, o.master) && same(exp_avg, o.exp_avg) && same(exp_avg_sq, o.exp_avg_sq) &&
-           same(grad, o.grad) && same(model, o.model);
+           same(grad, o.grad) && same(model, o.model) && same(remainder, o.remainder) &&
+           same(exp_avg16, o.exp_avg16) && same(exp_avg_sq16, o.exp_avg_sq16);
+  }
+
+  /// These buffers with their state in `to` (from fp32 state: masters split into a bf16 model and
+  /// remainders, which needs a bf16 model copy; moments rounded to bf16, to nearest even).
+  FlatBuffers in_format(const halfstep::StateFormat& to) const {
+    using halfstep::MasterFormat;
+    using halfstep::MomentFormat;
+    FlatBuffers out = as_f32();
+    out.format = to;
+    const auto n = static_cast<std::size_t>(numel());
+    if (to.master == MasterFormat::bf16_remainder) {
+      out.remainder.resize(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        std::uint32_t b;
+        std::memcpy(&b, &out.master[i], sizeof b);
+        std::int16_t r = 0;
+        halfstep::split_master(halfstep::canonical_master(b), out.model[i], r);
+        out.remainder[i] = static_cast<std::uint16_t>(r);
+      }
+      out.master.clear();
+    }
+    auto narrow = [n](std::vector<float>& wide, std::vector<std::uint16_t>& bits) {
+      bits.resize(n);
+      for (std::size_t i = 0; i < n; ++i) bits[i] = halfstep::to_bits16(halfstep::DType::bf16, wide[i]);
+      wide.clear();
+    };
+    if (to.exp_avg == MomentFormat::bf16) narrow(out.exp_avg, out.exp_avg16);
+    if (to.exp_avg_sq == MomentFormat::bf16) narrow(out.exp_avg_sq, out.exp_avg_sq16);
+    return out;
+  }
+  /// These buffers with fp32 state (exact: remainders joined, bf16 moments widened).
+  FlatBuffers as_f32() const {
+    using halfstep::MasterFormat;
+    using halfstep::MomentFormat;
+    FlatBuffers out = *this;
+    const auto n = static_cast<std::size_t>(numel());
+    if (format.master == MasterFormat::bf16_remainder) {
+      out.master.resize(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint32_t b = halfstep::join_master(model[i], static_cast<std::int16_t>(remainder[i]));
+        std::memcpy(&out.master[i], &b, sizeof b);
+      }
+      out.remainder.clear();
+    }
+    auto widen = [n](std::vector<std::uint16_t>& bits, std::vector<float>& wide) {
+      wide.resize(n);
+      for (std::size_t i = 0; i < n; ++i) wide[i] = static_cast<float>(halfstep::from_bits16(halfstep::DType::bf16, bits[i]));
+      bits.clear();
+    };
+    if (format.exp_avg == MomentFormat::bf16) widen(out.exp_avg16, out.exp_avg);
+    if (format.exp_avg_sq == MomentFormat::bf16) widen(out.exp_avg_sq16, out.exp_avg_sq);
+    out.format = halfstep::StateFormat{};
+    return out;
   }
 };
 
@@ -64,7 +132,25 @@ struct ShardedCase {
   std::vector<std::vector<std::uint16_t>> grads;  // per step, the whole flat space
   halfstep::StepConfig config;
 
-  std::int64_t numel() const { return static_cast<std::int64_t>(initial.master.size()); }
+  std::int64_t numel() const { return initial.numel(); }
+
+  /// A case with its state held in `format`: the same values in every format (the initial moments
+  /// are zero, and with a bf16 model the masters are canonical, as a step stores them).
+  static ShardedCase make(std::uint64_t seed, halfstep::DType dtype, int steps, std::int64_t max_tensor,
+                          const halfstep::StateFormat& format) {
+    ShardedCase c = make(seed, dtype, steps, max_tensor);
+    c.config.state = format;
+    if (dtype == halfstep::DType::bf16) {
+      for (float& m : c.initial.master) {
+        std::uint32_t b;
+        std::memcpy(&b, &m, sizeof b);
+        b = halfstep::canonical_master(b);
+        std::memcpy(&m, &b, sizeof b);
+      }
+    }
+    c.initial = c.initial.in_format(format);
+    return c;
+  }
 
   static ShardedCase make(std::uint64_t seed, halfstep::DType dtype, int steps, std::int64_t max_tensor) {
     std::mt19937_64 rng(seed);
@@ -118,16 +204,17 @@ struct ShardedCase {
 
   /// The whole space as tensors pointing into `flat`, one per layout entry (empty ones too, so
   /// tensor indices are the layout's).
-  std::vector<halfstep::ParamTensor> whole(FlatBuffers& flat) const {
+  std::vector<halfstep::ParamTensor> whole(FlatBuffers& flat) const { return whole(flat.view()); }
+  /// The same over the whole space's buffers `all` (host or device memory), in config's formats.
+  std::vector<halfstep::ParamTensor> whole(const halfstep::ParamTensor& all) const {
     std::vector<halfstep::ParamTensor> out;
     std::int64_t at = 0;
     for (const halfstep::ParamTensor& t : layout) {
       halfstep::ParamTensor p = t;
-      p.master = flat.master.data() + at;
-      p.grad = flat.grad.data() + at;
-      p.exp_avg = flat.exp_avg.data() + at;
-      p.exp_avg_sq = flat.exp_avg_sq.data() + at;
-      p.model = flat.model.data() + at;
+      for (const halfstep::SlotLayout& slot : halfstep::slot_layouts(config)) {
+        auto* base = static_cast<unsigned char*>(const_cast<void*>(halfstep::slot_pointer(all, slot.slot)));
+        halfstep::set_slot_pointer(p, slot.slot, base + at * static_cast<std::int64_t>(slot.element_bytes));
+      }
       out.push_back(p);
       at += t.numel;
     }

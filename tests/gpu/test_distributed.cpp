@@ -18,6 +18,7 @@
 #include "ranks.hpp"
 #include "record_faults.hpp"
 #include "sharded_run.hpp"
+#include "step_check.hpp"
 
 using namespace halfstep;
 using namespace halfstep_test;
@@ -74,20 +75,22 @@ struct Buffer {
   }
 };
 
-// A rank's flat buffers on the device.
+// A rank's flat buffers on the device, the state in the host buffers' format.
 struct DeviceFlat {
   Buffer<float> master, exp_avg, exp_avg_sq;
-  Buffer<std::uint16_t> grad, model;
+  Buffer<std::uint16_t> grad, model, remainder, exp_avg16, exp_avg_sq16;
+  StateFormat format;
   explicit DeviceFlat(const FlatBuffers& h)
-      : master(h.master), exp_avg(h.exp_avg), exp_avg_sq(h.exp_avg_sq), grad(h.grad), model(h.model) {}
+      : master(h.master), exp_avg(h.exp_avg), exp_avg_sq(h.exp_avg_sq), grad(h.grad), model(h.model),
+        remainder(h.remainder), exp_avg16(h.exp_avg16), exp_avg_sq16(h.exp_avg_sq16), format(h.format) {}
   ParamTensor view() {
     ParamTensor p;
-    p.master = master.ptr;
+    p.master = format.master == MasterFormat::f32 ? static_cast<void*>(master.ptr) : remainder.ptr;
     p.grad = grad.ptr;
-    p.exp_avg = exp_avg.ptr;
-    p.exp_avg_sq = exp_avg_sq.ptr;
+    p.exp_avg = format.exp_avg == MomentFormat::f32 ? static_cast<void*>(exp_avg.ptr) : exp_avg16.ptr;
+    p.exp_avg_sq = format.exp_avg_sq == MomentFormat::f32 ? static_cast<void*>(exp_avg_sq.ptr) : exp_avg_sq16.ptr;
     p.model = model.ptr;
-    p.numel = static_cast<std::int64_t>(master.n);
+    p.numel = static_cast<std::int64_t>(grad.n);
     return p;
   }
   FlatBuffers download() const {
@@ -97,6 +100,10 @@ struct DeviceFlat {
     exp_avg_sq.get(h.exp_avg_sq);
     grad.get(h.grad);
     model.get(h.model);
+    remainder.get(h.remainder);
+    exp_avg16.get(h.exp_avg16);
+    exp_avg_sq16.get(h.exp_avg_sq16);
+    h.format = format;
     return h;
   }
 };
@@ -132,7 +139,7 @@ std::vector<RankRun> run_ranks_nccl(const ShardedCase& c, const std::vector<std:
     {
       const auto [begin, end] = ranges[static_cast<std::size_t>(r)];
       DeviceFlat flat(c.initial.slice(begin, end));
-      const Shard s = shard(c.layout, begin, end, flat.view());
+      const Shard s = shard(c.layout, begin, end, flat.view(), c.config);
       Distributed dist{r, {}};
       if (how == Reduce::communicator) dist.comms.push_back(comm);
       FusedAdamW opt(s.tensors, c.config, dist);
@@ -177,18 +184,7 @@ std::vector<RankRun> run_ranks_nccl(const ShardedCase& c, const std::vector<std:
 // The same case unsharded, on one rank without a communicator.
 std::pair<std::vector<StepReport>, FlatBuffers> run_one(const ShardedCase& c) {
   DeviceFlat flat(c.initial);
-  FlatBuffers host = c.initial;
-  std::vector<ParamTensor> whole = c.whole(host);
-  // Point the views at the device copy (same offsets).
-  for (ParamTensor& p : whole) {
-    const std::ptrdiff_t at = static_cast<float*>(p.master) - host.master.data();
-    p.master = flat.master.ptr + at;
-    p.grad = flat.grad.ptr + at;
-    p.exp_avg = flat.exp_avg.ptr + at;
-    p.exp_avg_sq = flat.exp_avg_sq.ptr + at;
-    p.model = flat.model.ptr + at;
-  }
-  FusedAdamW opt(whole, c.config);
+  FusedAdamW opt(c.whole(flat.view()), c.config);
   std::vector<StepReport> reports;
   for (const auto& step : c.grads) {
     flat.grad.put(step);
@@ -246,6 +242,192 @@ TEST_CASE("gpu a step with a communicator launches finalize on both sides of the
   ncclCommDestroy(comm);
 }
 #endif
+
+namespace {
+
+// The state formats the API offers, for f16 and bf16 models (remainders need a bf16 one).
+std::vector<StateFormat> formats_for(DType dtype) {
+  std::vector<StateFormat> out;
+  for (const MasterFormat master : {MasterFormat::f32, MasterFormat::bf16_remainder}) {
+    if (master == MasterFormat::bf16_remainder && dtype != DType::bf16) continue;
+    for (const MomentFormat m : {MomentFormat::f32, MomentFormat::bf16}) {
+      for (const MomentFormat v : {MomentFormat::f32, MomentFormat::bf16}) {
+        for (const Rounding rounding : {Rounding::stochastic, Rounding::nearest}) {
+          if (m == MomentFormat::f32 && v == MomentFormat::f32 && rounding == Rounding::nearest) continue;  // (unused)
+          StateFormat f;
+          f.master = master;
+          f.exp_avg = m;
+          f.exp_avg_sq = v;
+          f.rounding = rounding;
+          f.seed = 0xC0FFEEu + out.size();
+          out.push_back(f);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+std::string describe(const StateFormat& f) {
+  return std::string(master_format_name(f.master)) + "/" + moment_format_name(f.exp_avg) + "/" +
+         moment_format_name(f.exp_avg_sq) + "/" + rounding_name(f.rounding);
+}
+
+}  // namespace
+
+namespace {
+
+// A flat space's buffers as tensors of fp32 values (remainders joined, bf16 moments widened),
+// for check_step.
+HostModel as_tensors(const ShardedCase& c, const FlatBuffers& flat) {
+  const FlatBuffers w = flat.as_f32();
+  HostModel m;
+  std::size_t at = 0;
+  for (const ParamTensor& t : c.layout) {
+    const auto n = static_cast<std::size_t>(t.numel);
+    auto cut = [&](const auto& v) { return std::decay_t<decltype(v)>(v.begin() + at, v.begin() + at + n); };
+    HostTensor h;
+    h.master = cut(w.master);
+    h.exp_avg = cut(w.exp_avg);
+    h.exp_avg_sq = cut(w.exp_avg_sq);
+    h.grad = cut(w.grad);
+    h.model = cut(w.model);
+    h.grad_dtype = c.config.grad_dtype;
+    h.group = t.group;
+    m.tensors.push_back(std::move(h));
+    at += n;
+  }
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("gpu every state format steps like the reference backend", "[gpu][state]") {
+  // Each step of the device from the state it holds, against the reference's step from the same
+  // buffers and optimizer state (its own codecs, double arithmetic): the report exactly, the
+  // masters and moments within adam_bound (bf16 moments one bf16 ulp more), the model copy the
+  // device's master rounded, a skipped step writing nothing; through overflows, spikes and clips.
+  const int steps = reduced_sizes() ? 20 : 60;
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    for (const StateFormat& f : formats_for(dtype)) {
+      const ShardedCase c = ShardedCase::make(1400 + (dtype == DType::bf16 ? 1u : 0u), dtype, steps, 700, f);
+      CAPTURE(dtype_name(dtype), describe(f));
+      DeviceFlat flat(c.initial);
+      FusedAdamW opt(c.whole(flat.view()), c.config);
+      int applied = 0;
+      for (std::size_t s = 0; s < c.grads.size(); ++s) {
+        flat.grad.put(c.grads[s]);
+        FlatBuffers host = flat.download();
+        const HostModel before = as_tensors(c, host);
+        const OptimizerState state = opt.state();
+        opt.step();
+        const StepReport got = opt.last_report();
+        FusedAdamW ref(c.whole(host), c.config, Backend::reference);
+        ref.set_state(state);
+        ref.step();
+        CAPTURE(s);
+        check_step(got, ref.last_report(), before, as_tensors(c, flat.download()), as_tensors(c, host), c.config,
+                   got.step);
+        applied += got.outcome == Outcome::applied;
+      }
+      CHECK(applied >= steps / 2);
+    }
+  }
+}
+
+#if defined(HALFSTEP_EMULATED)
+TEST_CASE("gpu the bytes one step moves per parameter are what state_bytes says, in every format", "[gpu][state][bytes]") {
+  // Tensors whose every chunk takes the vector path (sizes and offsets multiples of 256
+  // elements), so that every access to a per-element buffer is a vector access the emulated
+  // device counts: an applied step moves state_bytes(config).moved bytes per element (pass 1
+  // reads the gradients, pass 2 reads the gradients and the state and writes the state and the
+  // model copy); a skipped step only pass 1's gradient bytes, and the thread that met the inf
+  // reads its own words once more to name the first (here 2 vectors of 16 bytes: 4096 elements
+  // in 256 threads).
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    for (const StateFormat& f : formats_for(dtype)) {
+      ShardedCase c = ShardedCase::make(1650, dtype, 2, 4);
+      c.layout.clear();
+      for (const std::int64_t n : {4096, 1024, 2048, 256}) {
+        ParamTensor p;
+        p.numel = n;
+        p.group = static_cast<std::int32_t>(c.layout.size() % 2);
+        c.layout.push_back(p);
+      }
+      const std::int64_t total = 4096 + 1024 + 2048 + 256;
+      FlatBuffers flat32 = ShardedCase::make(1651, dtype, 0, total).initial;  // buffers of any contents...
+      flat32.master.resize(static_cast<std::size_t>(total), 0.5f);
+      flat32.exp_avg.assign(static_cast<std::size_t>(total), 0.0f);
+      flat32.exp_avg_sq.assign(static_cast<std::size_t>(total), 0.0f);
+      flat32.model.assign(static_cast<std::size_t>(total), to_bits16(dtype, 0.5));
+      flat32.grad.assign(static_cast<std::size_t>(total), to_bits16(dtype, 1e-3 * c.config.scaler.init_scale));
+      c.config.state = f;
+      c.config.spike.enabled = false;
+      c.initial = flat32.in_format(f);
+      CAPTURE(dtype_name(dtype), describe(f));
+      DeviceFlat flat(c.initial);
+      FusedAdamW opt(c.whole(flat.view()), c.config);
+      const StateBytes want = state_bytes(c.config);
+      for (const bool skip : {false, true}) {
+        std::vector<std::uint16_t> g = c.initial.grad;
+        if (skip) g[100] = dtype == DType::f16 ? 0x7C00 : 0x7F80;  // an overflow: pass 2 does not run
+        flat.grad.put(g);
+        must(cudaDeviceSynchronize(), "sync");
+        const halfstep_emu::Counters before = halfstep_emu::counters();
+        opt.step();
+        must(cudaDeviceSynchronize(), "sync");
+        const halfstep_emu::Counters after = halfstep_emu::counters();
+        REQUIRE(opt.last_report().outcome == (skip ? Outcome::skipped_overflow : Outcome::applied));
+        const std::uint64_t moved = (after.bytes_read - before.bytes_read) + (after.bytes_written - before.bytes_written);
+        CAPTURE(skip, after.bytes_read - before.bytes_read, after.bytes_written - before.bytes_written);
+        if (skip) {
+          CHECK(moved - static_cast<std::uint64_t>(total) * want.gradient <= 64);
+        } else {
+          CHECK(moved == static_cast<std::uint64_t>(total) * want.moved);
+        }
+      }
+    }
+  }
+}
+#endif
+
+TEST_CASE("gpu remainders step bitwise like fp32 masters with a bf16 model copy", "[gpu][state]") {
+  const int steps = reduced_sizes() ? 40 : 200;
+  for (const MomentFormat moments : {MomentFormat::f32, MomentFormat::bf16}) {
+    StateFormat f32;
+    f32.exp_avg = f32.exp_avg_sq = moments;
+    StateFormat lean = f32;
+    lean.master = MasterFormat::bf16_remainder;
+    const auto a = run_one(ShardedCase::make(1450, DType::bf16, steps, 900, f32));
+    const auto b = run_one(ShardedCase::make(1450, DType::bf16, steps, 900, lean));
+    CAPTURE(moment_format_name(moments));
+    for (std::size_t s = 0; s < a.first.size(); ++s) {
+      CAPTURE(s);
+      REQUIRE(same_report(b.first[s], a.first[s], [](std::int32_t, std::int32_t t) { return t; }));
+    }
+    REQUIRE(b.second.as_f32() == a.second.as_f32());
+  }
+}
+
+TEST_CASE("gpu N ranks over NCCL with lean state step bitwise like one rank", "[gpu][distributed][nccl][multi_gpu][state]") {
+  const int capacity = rank_capacity();
+  if (capacity < 2) {
+    skip_test("multi-rank NCCL needs at least two GPUs (found " + std::to_string(capacity) + ")");
+    return;
+  }
+  StateFormat lean;
+  lean.master = MasterFormat::bf16_remainder;
+  lean.exp_avg = lean.exp_avg_sq = MomentFormat::bf16;
+  lean.seed = 99;
+  const int steps = reduced_sizes() ? 30 : 120;
+  for (const int n : {2, 3, 4, 7}) {
+    if (n > capacity) continue;
+    const std::uint64_t seed = 1500 + static_cast<std::uint64_t>(n);
+    const ShardedCase c = ShardedCase::make(seed, DType::bf16, steps, 900, lean);
+    CAPTURE(n);
+    check_against_one(c, run_ranks_nccl(c, c.random_cuts(n, seed + 1), Reduce::communicator), run_one(c));
+  }
+}
 
 TEST_CASE("gpu N ranks over NCCL with sharded state step bitwise like one rank", "[gpu][distributed][nccl][multi_gpu]") {
   const int capacity = rank_capacity();

@@ -777,12 +777,14 @@ void check_access(const void* p, std::size_t bytes, std::size_t align, bool writ
                      " = " + std::to_string(a % align) + ")",
                  file, line);
   }
-  if (!e.in_shared(p, bytes) && !internal::in_device_memory(p, bytes)) {
+  if (e.in_shared(p, bytes)) return;
+  if (!internal::in_device_memory(p, bytes)) {
     std::ostringstream msg;
     msg << (write ? "write" : "read") << " of " << bytes << " bytes at " << p << " (" << what
         << ") outside every device allocation and this block's shared memory";
     e.lane_fault(cudaErrorIllegalAddress, msg.str(), file, line);
   }
+  (write ? internal::mutable_counters().bytes_written : internal::mutable_counters().bytes_read) += bytes;
 }
 
 void* shared_bytes(const void* site, std::size_t bytes, std::size_t align, const char* name) {

@@ -462,11 +462,12 @@ void print_counters() {
   const Counters& c = rt().counters;
   std::fprintf(stderr,
                "halfstep emulator [%s]: %llu launches, %llu blocks, %llu threads, %llu switches, "
-               "%llu barriers, %llu warp operations, %llu faults\n",
+               "%llu barriers, %llu warp operations, %llu faults, %llu bytes read, %llu written\n",
                format_settings(rt().settings).c_str(), static_cast<unsigned long long>(c.launches),
                static_cast<unsigned long long>(c.blocks), static_cast<unsigned long long>(c.threads),
                static_cast<unsigned long long>(c.switches), static_cast<unsigned long long>(c.barriers),
-               static_cast<unsigned long long>(c.warp_ops), static_cast<unsigned long long>(c.faults));
+               static_cast<unsigned long long>(c.warp_ops), static_cast<unsigned long long>(c.faults),
+               static_cast<unsigned long long>(c.bytes_read), static_cast<unsigned long long>(c.bytes_written));
 }
 
 }  // namespace

@@ -47,6 +47,10 @@ struct Counters {
   std::uint64_t barriers = 0;    ///< __syncthreads episodes completed
   std::uint64_t warp_ops = 0;    ///< warp operations completed (per warp)
   std::uint64_t faults = 0;      ///< kernel faults
+  /// Bytes of device memory kernels read and wrote through checked accesses (the vector loads and
+  /// stores, __ldg, atomics; not plain pointer accesses, nor shared memory).
+  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_written = 0;
 };
 Counters counters();
 

@@ -1,0 +1,261 @@
+"""Lean optimizer state in halfstep.torch: bfloat16 parameters with int16 remainders instead of fp32
+masters (store_param_remainders=True), bfloat16 moments (exp_avg_dtype, exp_avg_sq_dtype), their
+state_dicts and conversions, and the same on ranks (lean_worker.py: ZeRO-1 and FSDP2 on gloo)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import lean_worker as W  # noqa: E402
+from helpers import fresh_params, halfstep_entry, run_workers, scaled_grads, without  # noqa: E402
+from halfstep.torch import FusedAdamW  # noqa: E402
+
+BF16 = torch.bfloat16
+LEAN = dict(store_param_remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+
+
+def run(steps, params=None, opt=None, start=0, **kw):
+    """Two groups of bfloat16 parameters, `steps` steps of scaled gradients (an inf in step 4),
+    clipping on; the parameters, the optimizer and the reports."""
+    params = params if params is not None else fresh_params(W.SHAPES, BF16, seed=1)
+    opt = opt if opt is not None else W.make(params, None, None, **kw)
+    reports = []
+    for k in range(start, start + steps):
+        gen = torch.Generator().manual_seed(50 + k)
+        for p, g in zip(params, scaled_grads(W.SHAPES, BF16, 1.0, gen, 3e-2)[1]):
+            p.grad = g.clone()
+        if k == 4:
+            params[3].grad.view(-1)[0] = float("nan")
+        opt.step()
+        reports.append(without(opt.last_report()))
+    return params, opt, reports
+
+
+def same(a, b):
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def state_of(opt, params, key):
+    return [opt.state[p][key].detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("moments", [torch.float32, BF16], ids=["fp32 moments", "bf16 moments"])
+def test_remainders_step_bitwise_like_fp32_masters(moments):
+    kw = dict(exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+    a, oa, ra = run(12, **kw)
+    b, ob, rb = run(12, store_param_remainders=True, **kw)
+    assert ra == rb
+    assert [r["outcome"] for r in ra].count("applied") == 11
+    assert same(a, b)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert same(state_of(oa, a, key), state_of(ob, b, key)), key
+
+
+def test_the_state_shows_fp32_masters_and_moments_in_their_dtype():
+    params, opt, _ = run(3, **LEAN)
+    for p in params:
+        entry = opt.state[p]
+        assert entry["master"].dtype == torch.float32 and entry["master"].shape == p.shape
+        assert torch.equal(entry["master"].to(BF16), p.detach())  # the parameter is the master rounded
+        assert entry["exp_avg"].dtype == BF16 and entry["exp_avg_sq"].dtype == BF16
+        assert dict(entry)["master"].dtype == torch.float32 and {**entry}["master"].dtype == torch.float32
+        assert [v.dtype for k, v in entry.items() if k == "master"] == [torch.float32]
+    sd = opt.state_dict()
+    assert {k: v.dtype for k, v in sd["state"][0].items()} == {"master": torch.float32, "exp_avg": BF16,
+                                                              "exp_avg_sq": BF16, "step": torch.int64}
+    assert halfstep_entry(sd)["state_format"] == dict(master="bf16_remainder", exp_avg="bf16", exp_avg_sq="bf16",
+                                                      rounding="stochastic", seed=0)
+
+
+def test_a_master_written_in_place_is_refused_and_one_assigned_is_taken():
+    params, opt, _ = run(3, store_param_remainders=True)
+    before = [p.detach().clone() for p in params]
+    view = opt.state[params[0]]["master"]
+    view.add_(1.0)  # a copy: the write would be lost
+    with pytest.raises(RuntimeError, match="written in place, but it is a copy"):
+        run(1, params, opt, start=3)
+    assert same([p.detach() for p in params], before), "nothing stepped"
+    # Assignment writes the master: the parameter becomes it rounded, the remainder its low half.
+    new = opt.state[params[0]]["master"] + 0.25
+    opt.state[params[0]]["master"] = new
+    assert torch.equal(opt.state[params[0]]["master"], new)
+    assert torch.equal(params[0].detach(), new.to(BF16))
+    run(1, params, opt, start=3)  # steps again
+
+
+def test_what_lean_state_cannot_serve_is_refused_by_name():
+    for dtype, why in ((torch.float16, "float16 parameter and 16 bits"), (torch.float32, "masters themselves")):
+        params = fresh_params(W.SHAPES, dtype, seed=1)
+        with pytest.raises(ValueError, match="store_param_remainders=True.*" + why):
+            FusedAdamW(params, store_param_remainders=True)
+    params = fresh_params(W.SHAPES, BF16, seed=1)
+    for kw, match in ((dict(exp_avg_dtype=torch.float16), "exp_avg_dtype must be torch.float32 or torch.bfloat16"),
+                      (dict(exp_avg_sq_dtype=torch.uint8), "exp_avg_sq_dtype must be"),
+                      (dict(rounding="up"), "rounding must be 'stochastic' or 'nearest'"),
+                      (dict(seed=-1), r"seed must be an integer in \[0, 2\^64\)"),
+                      (dict(store_param_remainders="yes"), "store_param_remainders must be True, False or None")):
+        with pytest.raises(ValueError, match=match):
+            FusedAdamW(params, **kw)
+
+
+FORMATS = {"fp32": {}, "remainders": dict(store_param_remainders=True),
+           "bf16 moments": dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), "lean": LEAN}
+
+
+@pytest.mark.parametrize("saved", list(FORMATS))
+@pytest.mark.parametrize("loaded", list(FORMATS))
+def test_state_dicts_load_into_every_format(saved, loaded):
+    # fp32 masters in every state_dict (exact, from remainders too); moments converted: fp32 into
+    # bf16 rounds once to nearest even, bf16 into fp32 is exact. Into its own format a state_dict
+    # resumes bit for bit.
+    params, opt, _ = run(6, **FORMATS[saved])
+    sd = opt.state_dict()
+    rest = run(4, params, opt, start=6)
+    fresh = fresh_params(W.SHAPES, BF16, seed=9)
+    other = W.make(fresh, None, None, **FORMATS[loaded])
+    other.load_state_dict(sd)
+    for i, p in enumerate(fresh):
+        assert torch.equal(other.state[p]["master"], sd["state"][i]["master"])
+        assert torch.equal(p.detach(), sd["state"][i]["master"].to(BF16))
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = sd["state"][i][key].to(other.state[p][key].dtype)
+            assert torch.equal(other.state[p][key], want), key
+    again = run(4, fresh, other, start=6)
+    if saved == loaded:
+        assert again[2] == rest[2]
+        assert same(again[0], rest[0])
+
+
+def test_a_lean_state_dict_through_fp32_and_back_is_unchanged():
+    params, opt, _ = run(5, **LEAN)
+    sd = opt.state_dict()
+    wide = W.make(fresh_params(W.SHAPES, BF16, seed=2), None, None)
+    wide.load_state_dict(sd)
+    lean = W.make(fresh_params(W.SHAPES, BF16, seed=3), None, None, **LEAN)
+    lean.load_state_dict(wide.state_dict())
+    for i, (a, b) in enumerate(zip(sd["state"].values(), lean.state_dict()["state"].values())):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (i, key)
+
+
+def test_stochastic_rounding_resumes_bit_for_bit_with_the_saved_seed():
+    params, opt, _ = run(5, seed=1234, **LEAN)
+    sd = opt.state_dict()
+    assert halfstep_entry(sd)["state_format"]["seed"] == 1234
+    _, _, rest = run(5, params, opt, start=5)
+    straight = [p.detach().clone() for p in params]
+    fresh = fresh_params(W.SHAPES, BF16, seed=7)
+    other = W.make(fresh, None, None, seed=99, **LEAN)  # another seed: the state_dict's wins
+    other.load_state_dict(sd)
+    _, _, again = run(5, fresh, other, start=5)
+    assert again == rest and same(fresh, straight)
+    # Another seed draws other bits: the moments differ.
+    a, oa, _ = run(5, seed=1, **LEAN)
+    b, ob, _ = run(5, seed=2, **LEAN)
+    assert not same(state_of(oa, a, "exp_avg_sq"), state_of(ob, b, "exp_avg_sq"))
+
+
+def test_weights_written_into_the_parameters_with_remainders():
+    # The same values written back (a model state_dict loaded after the optimizer's) keep every
+    # remainder: the run continues bitwise. Other values become the masters (their remainder kept
+    # only where the pair still rounds to the written value: doubling a weight doubles its master).
+    params, opt, _ = run(4, store_param_remainders=True)
+    reference, ref_opt, _ = run(4)
+    masters = state_of(opt, params, "master")
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.detach().clone())
+        for p in reference:
+            p.copy_(p.detach().clone())
+    a, b = run(2, params, opt, start=4)[2], run(2, reference, ref_opt, start=4)[2]
+    assert a == b and same(params, reference)
+    masters = state_of(opt, params, "master")
+    with torch.no_grad():
+        params[0].mul_(2)
+        params[1].copy_(torch.full_like(params[1], 0.375))
+    opt.resync_weights()
+    now = state_of(opt, params, "master")
+    assert torch.equal(now[0], masters[0] * 2)
+    assert torch.equal(now[1].to(BF16), params[1].detach())
+    assert float((now[1] - 0.375).abs().max()) <= 2.0 ** -10  # half a bf16 ulp of 0.375
+    assert torch.equal(now[2], masters[2])
+
+
+def launch(world, mode, tmp_path, *args):
+    outs = [tmp_path / ("%s-%d-of-%d.pt" % (mode, r, world)) for r in range(world)]
+    run_workers("lean_worker.py", [[r, world, mode, tmp_path / ("init-%s-%d" % (mode, world)), outs[r]] + list(args)
+                                   for r in range(world)], timeout=300)
+    return [torch.load(o, weights_only=False) if int(torch.__version__.split(".")[0]) >= 2 else torch.load(o)
+            for o in outs]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero1_and_replicated_lean_state_steps_bitwise_like_one_process(world, tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    params = fresh_params(W.SHAPES, BF16, seed=5)
+    opt = W.make(params, None, None, **W.LEAN)
+    reports = [without(r) for r in W.train(params, opt)]
+    assert [r["outcome"] for r in reports].count("applied") == W.STEPS - 1
+    results = launch(world, "zero", tmp_path)
+    for shard in (True, False):
+        # (Replicated, every rank holding the inf counts it: nonfinite_count is the world's.)
+        mine = ("held_elements", "first_nonfinite_rank") + (() if shard else ("nonfinite_count",))
+        for r in results:
+            assert [without(x, *mine) for x in r[shard]["reports"]] == [without(x, *mine) for x in reports], shard
+            assert same(r[shard]["params"], [p.detach() for p in params]), shard
+
+
+try:
+    from torch.distributed.fsdp import fully_shard  # noqa: F401  (FSDP2: PyTorch >= 2.6)
+    HAS_FSDP2 = True
+except Exception:  # noqa: BLE001
+    HAS_FSDP2 = False
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    if not HAS_FSDP2:
+        pytest.skip("FSDP2 needs PyTorch >= 2.6")
+    work = tmp_path_factory.mktemp("lean-fsdp")
+    return {1: launch(1, "fsdp", work, work / "ck1"), 2: launch(2, "fsdp", work, work / "ck2", work / "ck1"),
+            3: launch(3, "fsdp", work, work / "ck3", work / "ck2")}
+
+
+def reports_of(run):
+    return [without(x, "held_elements", "first_nonfinite_rank") for x in run["reports"]]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_lean_state_steps_bitwise_like_one_process(fsdp_runs, world):
+    one = fsdp_runs[1][0]
+    for r in fsdp_runs[world]:
+        for name in W.FORMATS:
+            assert reports_of(r[name]) == reports_of(one[name]), name
+            assert same(r[name]["params"], one[name]["params"]), name
+            for i, entry in one[name]["saved"].items():
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(r[name]["saved"][i][key], entry[key]), (name, i, key)
+
+
+def test_fsdp2_remainders_step_bitwise_like_fp32_masters(fsdp_runs):
+    for r in fsdp_runs[2]:
+        assert reports_of(r["lean"]) == reports_of(r["bf16 moments"])
+        assert same(r["lean"]["params"], r["bf16 moments"]["params"])
+
+
+@pytest.mark.parametrize("saved,loaded", [(1, 2), (2, 3)])
+def test_fsdp2_lean_checkpoint_saved_on_n_ranks_loads_on_m_in_every_format(fsdp_runs, saved, loaded):
+    source = fsdp_runs[saved][0]["lean"]
+    for r in fsdp_runs[loaded]:
+        for name in W.FORMATS:
+            got = r["loaded"][name]
+            for i, entry in source["saved"].items():
+                assert torch.equal(got["state"][i]["master"], entry["master"]), (name, i)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(got["state"][i][key], entry[key].to(got["state"][i][key].dtype)), (name, key)
+            if name == "lean":  # its own format: resumed bit for bit, on another number of ranks
+                assert [without(x, "held_elements", "first_nonfinite_rank") for x in got["next"]] == \
+                    [without(x, "held_elements", "first_nonfinite_rank") for x in source["next"]]
+                assert same(got["params"], source["next_params"])

@@ -1,0 +1,342 @@
+// The state formats: the lossless split of fp32 masters into a bf16 model copy and an int16
+// remainder (every finite fp32 pattern), the slots and bytes of each format, and runs with lean
+// state on the reference backend: remainders bitwise the run with fp32 masters, bf16 moments
+// reproducible across a resume.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "halfstep/checkpoint.hpp"
+#include "halfstep/error.hpp"
+#include "halfstep/fused_adamw.hpp"
+#include "halfstep/state.hpp"
+#include "sharded_run.hpp"
+#include "state_codec.hpp"
+#include "step_check.hpp"
+
+using namespace halfstep;
+using namespace halfstep_test;
+
+namespace {
+
+// The test's own statement of bf16 rounding to nearest, ties to even, on an fp32 pattern: the
+// magnitude bits are ordered as the values are, so the two candidates are the pattern cut to its
+// upper half and the next one (which may carry into the exponent, or reach infinity).
+std::uint32_t nearest_even_bf16(std::uint32_t b) {
+  const std::uint32_t low = b & 0xFFFFu, cut = b >> 16;
+  if (low < 0x8000u) return cut;
+  if (low > 0x8000u) return cut + 1;
+  return (cut & 1u) == 0 ? cut : cut + 1;
+}
+
+struct SplitCounts {
+  std::uint64_t split = 0, ties = 0, overflow = 0, nonfinite = 0, wrong = 0;
+  std::uint32_t first_wrong = 0;
+};
+
+SplitCounts check_patterns(std::uint64_t begin, std::uint64_t end) {
+  SplitCounts n;
+  auto wrong = [&n](std::uint32_t b) {
+    if (n.wrong++ == 0) n.first_wrong = b;
+  };
+  for (std::uint64_t i = begin; i < end; ++i) {
+    const auto b = static_cast<std::uint32_t>(i);
+    const bool finite = (b & 0x7F800000u) != 0x7F800000u;
+    const std::uint32_t rne = nearest_even_bf16(b);
+    const bool model_finite = (rne & 0x7F80u) != 0x7F80u;
+    const bool tie = (b & 0x1FFFFu) == 0x8000u;  // the upper tie above an even pattern
+    std::uint16_t model = 0;
+    std::int16_t remainder = 0;
+    const bool ok = split_master(b, model, remainder);
+    // The kernels' codec, on the host: it canonicalises, so only the range can refuse.
+    std::uint16_t k_model = 0, k_stored = 0;
+    const float x = detail::float_of(b);
+    const bool k_ok = finite && detail::MasterCodec<MasterFormat::bf16_remainder, DType::bf16>::encode(x, true, k_stored, k_model);
+    float f_stored = 0.0f;
+    std::uint16_t f_model = 0;
+    const bool f_ok = finite && detail::MasterCodec<MasterFormat::f32, DType::bf16>::encode(x, true, f_stored, f_model);
+    if (!finite) {
+      ++n.nonfinite;
+      if (ok) wrong(b);
+      continue;
+    }
+    if (!model_finite) {  // would write an infinite model copy: never (invariant 11)
+      ++n.overflow;
+      if (ok || k_ok || f_ok) wrong(b);
+      continue;
+    }
+    const std::uint32_t canonical = tie ? b - 1u : b;
+    if (canonical_master(b) != canonical) wrong(b);
+    if (tie) {
+      ++n.ties;
+      std::uint16_t m2 = 0;
+      std::int16_t r2 = 0;
+      if (ok || !split_master(b - 1u, m2, r2) || m2 != rne || join_master(m2, r2) != b - 1u) wrong(b);
+    } else {
+      ++n.split;
+      if (!ok || model != rne || join_master(model, remainder) != b ||
+          remainder != static_cast<std::int16_t>(static_cast<std::int32_t>(b - (rne << 16))))
+        wrong(b);
+    }
+    // Both master formats store the canonical value with the model copy rounded to nearest even.
+    if (!k_ok || k_model != rne ||
+        detail::bits_of(detail::MasterCodec<MasterFormat::bf16_remainder, DType::bf16>::decode(k_stored, k_model)) != canonical)
+      wrong(b);
+    if (!f_ok || f_model != rne || detail::bits_of(f_stored) != canonical) wrong(b);
+  }
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("every finite fp32 master splits into a bf16 model copy and an int16 remainder and joins back exactly",
+          "[state][exhaustive]") {
+  // All 2^32 patterns, over the machine's threads (a few seconds).
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<SplitCounts> parts(threads);
+  std::vector<std::thread> pool;
+  const std::uint64_t total = std::uint64_t{1} << 32;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] { parts[t] = check_patterns(total * t / threads, total * (t + 1) / threads); });
+  }
+  for (std::thread& th : pool) th.join();
+  SplitCounts n;
+  for (const SplitCounts& p : parts) {
+    if (p.wrong != 0 && n.wrong == 0) n.first_wrong = p.first_wrong;
+    n.split += p.split;
+    n.ties += p.ties;
+    n.overflow += p.overflow;
+    n.nonfinite += p.nonfinite;
+    n.wrong += p.wrong;
+  }
+  CAPTURE(n.first_wrong);
+  CHECK(n.wrong == 0);
+  CHECK(n.nonfinite == (std::uint64_t{1} << 24));  // exponent all ones: inf and NaN
+  // Per sign, the patterns that round past 0x7F7F (the largest finite bf16): low half >= 0x8000.
+  CHECK(n.overflow == 2u * 0x8000u);
+  // Per sign, one upper tie per even finite bf16 pattern 0x0000 ... 0x7F7E.
+  CHECK(n.ties == 2u * (0x7F80u / 2u));
+  CHECK(n.split + n.ties + n.overflow + n.nonfinite == total);
+}
+
+TEST_CASE("split and join: signed zeros, subnormals, carries into the exponent and the largest finite master",
+          "[state]") {
+  struct Case {
+    std::uint32_t bits;
+    std::uint16_t model;
+    std::int16_t remainder;
+  };
+  for (const Case c : {Case{0x00000000u, 0x0000u, 0}, Case{0x80000000u, 0x8000u, 0},
+                       Case{0x00000001u, 0x0000u, 1}, Case{0x80007FFFu, 0x8000u, 0x7FFF},
+                       Case{0x0000C000u, 0x0001u, -0x4000}, Case{0x007FFFFFu, 0x0080u, -1},  // subnormal -> normal
+                       Case{0x3F7FFFFFu, 0x3F80u, -1},  // 1 - 2^-24: carries into the exponent, rounds to 1
+                       Case{0x7F7F7FFFu, 0x7F7Fu, 0x7FFF}, Case{0x3F818000u, 0x3F82u, -0x8000}}) {
+    CAPTURE(c.bits);
+    std::uint16_t m = 0;
+    std::int16_t r = 0;
+    REQUIRE(split_master(c.bits, m, r));
+    CHECK(m == c.model);
+    CHECK(r == c.remainder);
+    CHECK(join_master(m, r) == c.bits);
+  }
+  std::uint16_t m = 0;
+  std::int16_t r = 0;
+  CHECK_FALSE(split_master(0x7F7F8000u, m, r));   // rounds to infinity
+  CHECK_FALSE(split_master(0x3F808000u, m, r));   // the upper tie above the even 0x3F80
+  CHECK(canonical_master(0x3F808000u) == 0x3F807FFFu);
+  CHECK(canonical_master(0x3F818000u) == 0x3F818000u);  // above an odd pattern: it rounds up, remainder -2^15
+}
+
+TEST_CASE("slot layouts and bytes per element of each state format", "[state]") {
+  StepConfig c;  // fp16 gradients and model copy, fp32 state
+  auto bytes = [](const StepConfig& config, bool model) {
+    const StateBytes b = state_bytes(config, model);
+    return std::vector<std::size_t>{b.state, b.gradient, b.model, b.moved};
+  };
+  // pass 1 reads the gradient (2), pass 2 reads it (2), reads and writes master and moments
+  // (3 x 8), writes the model copy (2).
+  CHECK(bytes(c, true) == std::vector<std::size_t>{12, 2, 2, 30});
+  CHECK(bytes(c, false) == std::vector<std::size_t>{12, 2, 0, 28});
+  c.grad_dtype = c.model_dtype = DType::bf16;
+  c.state.exp_avg = c.state.exp_avg_sq = MomentFormat::bf16;
+  CHECK(bytes(c, true) == std::vector<std::size_t>{8, 2, 2, 22});
+  c.state.master = MasterFormat::bf16_remainder;  // the model copy is read too
+  CHECK(bytes(c, true) == std::vector<std::size_t>{6, 2, 2, 20});
+  const auto slots = slot_layouts(c);
+  CHECK(slots[0].storage == Storage::i16);
+  CHECK(std::string(slots[0].name) == "master");
+  CHECK(slots[2].storage == Storage::bf16);
+  CHECK_FALSE(slots[4].nullable);  // the model copy is half of the master
+  CHECK(slots[4].read);
+  c.state = StateFormat{};
+  CHECK(slot_layouts(c)[4].nullable);
+  CHECK_FALSE(slot_layouts(c)[4].read);
+  c.grad_dtype = DType::f32;  // fp32 gradients, fp32 parameters that are the masters
+  CHECK(bytes(c, false) == std::vector<std::size_t>{12, 4, 0, 32});
+}
+
+TEST_CASE("state formats a step cannot serve are refused by name", "[state][validate]") {
+  StepConfig c;
+  c.state.master = MasterFormat::bf16_remainder;  // with an fp16 model copy
+  CHECK_THROWS_WITH(c.validate(), Catch::Contains("bf16_remainder needs a bf16 model copy") &&
+                                      Catch::Contains("model_dtype is f16"));
+  c.model_dtype = c.grad_dtype = DType::bf16;
+  CHECK_NOTHROW(c.validate());
+  c.state.exp_avg = static_cast<MomentFormat>(7);
+  CHECK_THROWS_WITH(c.validate(), Catch::Contains("StepConfig.state.exp_avg must be f32 or bf16"));
+  c.state.exp_avg = MomentFormat::bf16;
+  c.state.rounding = static_cast<Rounding>(3);
+  CHECK_THROWS_WITH(c.validate(), Catch::Contains("StepConfig.state.rounding"));
+  c.state.rounding = Rounding::nearest;
+  // A remainder needs its model copy: a tensor without one is refused before anything runs.
+  FlatBuffers flat = ShardedCase::make(5, DType::bf16, 0, 40, c.state).initial;
+  ParamTensor p = flat.view();
+  p.model = nullptr;
+  CHECK_THROWS_WITH(FusedAdamW({p}, c, Backend::reference), Catch::Contains("model"));
+  // bf16 moments are 2-byte buffers: an odd address is refused.
+  p = flat.view();
+  p.exp_avg = static_cast<unsigned char*>(p.exp_avg) + 1;
+  p.numel -= 1;
+  CHECK_THROWS_WITH(FusedAdamW({p}, c, Backend::reference), Catch::Contains("exp_avg"));
+}
+
+namespace {
+
+// `c` stepped unsharded on the reference backend: the reports and the buffers.
+std::pair<std::vector<StepReport>, FlatBuffers> run_reference(const ShardedCase& c, std::size_t steps = SIZE_MAX) {
+  FlatBuffers flat = c.initial;
+  FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
+  std::vector<StepReport> reports;
+  for (std::size_t s = 0; s < std::min(steps, c.grads.size()); ++s) {
+    flat.grad = c.grads[s];
+    opt.step();
+    reports.push_back(opt.last_report());
+  }
+  return {reports, flat};
+}
+
+bool same_reports(const std::vector<StepReport>& a, const std::vector<StepReport>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t s = 0; s < a.size(); ++s) {
+    if (!same_report(a[s], b[s], [](std::int32_t, std::int32_t t) { return t; })) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("remainders step bitwise like fp32 masters with a bf16 model copy", "[state][reference]") {
+  for (const MomentFormat moments : {MomentFormat::f32, MomentFormat::bf16}) {
+    StateFormat f32;
+    f32.exp_avg = f32.exp_avg_sq = moments;
+    f32.seed = 77;
+    StateFormat lean = f32;
+    lean.master = MasterFormat::bf16_remainder;
+    const ShardedCase a = ShardedCase::make(2100, DType::bf16, 200, 900, f32);
+    const ShardedCase b = ShardedCase::make(2100, DType::bf16, 200, 900, lean);
+    const auto ra = run_reference(a), rb = run_reference(b);
+    CAPTURE(moment_format_name(moments));
+    CHECK(same_reports(ra.first, rb.first));
+    CHECK(rb.second.as_f32() == ra.second.as_f32());  // masters, moments, model copies
+    int applied = 0;
+    for (const StepReport& r : ra.first) applied += r.outcome == Outcome::applied;
+    CHECK(applied >= 100);
+  }
+}
+
+TEST_CASE("each step with bf16 moments is the fp32 step from the same state, its moments rounded once",
+          "[state][reference]") {
+  // From the state a bf16-moment run holds before each step (decoded exactly to fp32), one step
+  // with fp32 moments gives the fp32 results; the lean step must give the same report and master
+  // and store each moment as that result rounded: to nearest even, or (stochastic) to one of the
+  // two bf16 values around it, never anything else.
+  for (const Rounding rounding : {Rounding::nearest, Rounding::stochastic}) {
+    StateFormat lean;
+    lean.exp_avg = lean.exp_avg_sq = MomentFormat::bf16;
+    lean.rounding = rounding;
+    const ShardedCase c = ShardedCase::make(2200, DType::bf16, 40, 900, lean);
+    FlatBuffers flat = c.initial;
+    FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
+    ShardedCase c_wide = c;  // the same case with fp32 moments
+    c_wide.config.state = StateFormat{};
+    std::size_t rounded_up = 0, rounded_down = 0, exact = 0;
+    for (std::size_t s = 0; s < c.grads.size(); ++s) {
+      FlatBuffers wide = flat.as_f32();
+      wide.grad = c.grads[s];
+      FusedAdamW one(c_wide.whole(wide), c_wide.config, Backend::reference);
+      one.set_state(opt.state());
+      one.step();
+      flat.grad = c.grads[s];
+      opt.step();
+      CAPTURE(rounding_name(rounding), s);
+      REQUIRE(same_report(opt.last_report(), one.last_report(), [](std::int32_t, std::int32_t t) { return t; }));
+      const FlatBuffers got = flat.as_f32();
+      REQUIRE(std::memcmp(got.master.data(), wide.master.data(), got.master.size() * sizeof(float)) == 0);
+      for (const auto& [stored, want] : {std::pair{&flat.exp_avg16, &wide.exp_avg},
+                                         std::pair{&flat.exp_avg_sq16, &wide.exp_avg_sq}}) {
+        for (std::size_t i = 0; i < stored->size(); ++i) {
+          const float x = (*want)[i];
+          const std::uint32_t b = detail::bits_of(x);
+          const auto down = static_cast<std::uint16_t>(b >> 16);  // towards zero
+          const std::uint16_t got_bits = (*stored)[i];
+          if (rounding == Rounding::nearest) {
+            REQUIRE(got_bits == static_cast<std::uint16_t>(nearest_even_bf16(b)));
+          } else if ((b & 0xFFFFu) == 0) {
+            REQUIRE(got_bits == down);
+            ++exact;
+          } else {
+            REQUIRE((got_bits == down || got_bits == down + 1));
+            (got_bits == down ? rounded_down : rounded_up) += 1;
+          }
+        }
+      }
+    }
+    if (rounding == Rounding::stochastic) {  // both ways, many times
+      CHECK(rounded_up > 1000);
+      CHECK(rounded_down > 1000);
+    }
+  }
+}
+
+TEST_CASE("stochastic rounding resumes bit for bit: the checkpoint carries the seed", "[state][checkpoint]") {
+  StateFormat lean;
+  lean.master = MasterFormat::bf16_remainder;
+  lean.exp_avg = lean.exp_avg_sq = MomentFormat::bf16;
+  lean.seed = 0x5EEDu;
+  const ShardedCase c = ShardedCase::make(2300, DType::bf16, 80, 900, lean);
+  const auto straight = run_reference(c);
+  // 40 steps, the checkpoint and the buffers, then an optimizer built with another seed resumes.
+  FlatBuffers flat = c.initial;
+  std::string saved;
+  {
+    FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
+    for (std::size_t s = 0; s < 40; ++s) {
+      flat.grad = c.grads[s];
+      opt.step();
+    }
+    saved = opt.save_state();
+  }
+  for (const bool restore : {true, false}) {
+    FlatBuffers resumed = flat;
+    StepConfig other = c.config;
+    other.state.seed = 1;
+    FusedAdamW opt(c.whole(resumed), other, Backend::reference);
+    if (restore) opt.load_state(saved);
+    std::vector<StepReport> reports;
+    for (std::size_t s = 40; s < c.grads.size(); ++s) {
+      resumed.grad = c.grads[s];
+      opt.step();
+      reports.push_back(opt.last_report());
+    }
+    CAPTURE(restore);
+    if (restore) {
+      CHECK(opt.config().state.seed == 0x5EEDu);  // the run's seed, not the one this optimizer was built with
+      CHECK(same_reports(reports, std::vector<StepReport>(straight.first.begin() + 40, straight.first.end())));
+      CHECK(resumed == straight.second);
+    } else {
+      CHECK_FALSE(resumed == straight.second);  // another seed rounds otherwise
+    }
+  }
+}
