@@ -103,6 +103,17 @@ class VersionAction(argparse.Action):
         parser.exit()
 
 
+def state_text(run):
+    """The optimizer state's formats a run recorded (runs of halfstep before 0.5 recorded none)."""
+    state = run.get("state")
+    if not isinstance(state, dict):
+        return ""
+    text = f", {state.get('master')} masters, {state.get('exp_avg')}/{state.get('exp_avg_sq')} moments"
+    if "bf16" in (state.get("exp_avg"), state.get("exp_avg_sq")):
+        text += f" ({state.get('rounding')} rounding)"
+    return text
+
+
 def describe(path):
     """The title the trace's description gives (the runs that wrote it), or None without one. A
     description that cannot be read is said on the standard error; the plot goes on without it."""
@@ -123,7 +134,7 @@ def describe(path):
         if len(raw) > MAX_DESCRIPTION:
             raise ValueError(f"longer than {MAX_DESCRIPTION} bytes")
         runs = json.loads(raw.decode("utf-8"))["runs"]
-        titles = [f"{run['command']} (halfstep {run['halfstep']}, {run['engine']})" for run in runs]
+        titles = [f"{run['command']} (halfstep {run['halfstep']}, {run['engine']}{state_text(run)})" for run in runs]
     except (OSError, ValueError, KeyError, TypeError) as e:  # a JSONDecodeError is a ValueError
         shown = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
         print(f"halfstep-plot: {name}: not a halfstep-train trace description ({shown}); the title names "

@@ -18,13 +18,15 @@
 
 namespace {
 
-const char* kDescription = R"(halfstep-plan: prints the device memory of halfstep's per-parameter buffers — fp32 master
-weights (4 B), fp32 Adam moments (8 B), the gradients (2 B for f16 and bf16, 4 B for f32), the
-16-bit model copy (2 B, or none; with f32 gradients the parameters are fp32, the masters
-themselves, so by default there is none) — and the step's workspace, then how many parameters
-fit in --memory. With --ranks N (ZeRO-1 data parallelism) it prints one rank's share: the
-masters and moments sharded over the ranks, the gradients and the model copy whole on every
-rank.)";
+const char* kDescription = R"(halfstep-plan: prints the device memory of halfstep's per-parameter buffers — the master
+weights (fp32, 4 B; or with a bf16 model copy an int16 remainder, 2 B: --master bf16_remainder),
+the Adam moments (fp32, 8 B; bf16, 4 B: --moments bf16), the gradients (2 B for f16 and bf16, 4 B
+for f32), the 16-bit model copy (2 B, or none; with f32 gradients the parameters are fp32, the
+masters themselves, so by default there is none) — and the step's workspace, then how many
+parameters fit in --memory, and the bytes one step moves. With --ranks N (ZeRO-1 data
+parallelism) it prints one rank's share: the masters and moments sharded over the ranks, the
+gradients and the model copy whole on every rank. --formats prints every state format's bytes
+and largest model side by side.)";
 
 const char* kFooter = R"(
 Activations, the forward and backward passes' workspace and the framework's own buffers are not
@@ -112,7 +114,7 @@ struct RankPlan {
 };
 
 RankPlan plan_rank(double params, double tensors, double groups, double ranks, double grad_bytes,
-                   double model_bytes) {
+                   double model_bytes, double state_bytes) {
   RankPlan p;
   p.shard = std::ceil(params / ranks);
   p.padded = p.shard * ranks;
@@ -120,9 +122,39 @@ RankPlan plan_rank(double params, double tensors, double groups, double ranks, d
   const double pieces =
       ranks == 1 ? tensors : std::min({tensors, p.shard, std::ceil(p.shard / (params / tensors)) + 1});
   p.workspace = workspace(p.shard, pieces, groups);
-  p.total = 12.0L * p.shard + (static_cast<long double>(grad_bytes) + model_bytes) * p.padded +
+  p.total = static_cast<long double>(state_bytes) * p.shard + (static_cast<long double>(grad_bytes) + model_bytes) * p.padded +
             std::max(p.workspace, 0.0);
   return p;
+}
+
+// The most parameters that fit in `memory` on each of `ranks` ranks, by bisection on the same
+// accounting (tensors of `per_tensor` parameters on average), within what one step can hold.
+double most_that_fit(double memory, double per_tensor, double groups, double ranks, double grad_bytes,
+                     double model_bytes, double state_bytes) {
+  const double most_per_step = 2147483647.0 * static_cast<double>(halfstep::chunk_elements());
+  double lo = 0, hi = std::min(memory / (state_bytes / ranks + grad_bytes + model_bytes), most_per_step * ranks) + 1;
+  for (int i = 0; i < 200 && hi - lo > 0.5; ++i) {
+    const double mid = std::floor((lo + hi) / 2);
+    const RankPlan p = plan_rank(mid, std::max(1.0, std::ceil(mid / per_tensor)), groups, std::min(ranks, mid),
+                                 grad_bytes, model_bytes, state_bytes);
+    (mid > 0 && p.workspace >= 0 && p.total <= memory ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+halfstep::DType dtype_of(const std::string& name) {
+  return name == "f32" ? halfstep::DType::f32 : name == "bf16" ? halfstep::DType::bf16 : halfstep::DType::f16;
+}
+
+// The step configuration of these formats (the library's own accounting: halfstep::state_bytes).
+halfstep::StepConfig config_of(const std::string& grad, const std::string& model, const std::string& master,
+                               const std::string& moments) {
+  halfstep::StepConfig c;
+  c.grad_dtype = dtype_of(grad);
+  c.model_dtype = model == "bf16" ? halfstep::DType::bf16 : halfstep::DType::f16;
+  c.state.master = master == "bf16_remainder" ? halfstep::MasterFormat::bf16_remainder : halfstep::MasterFormat::f32;
+  c.state.exp_avg = c.state.exp_avg_sq = moments == "bf16" ? halfstep::MomentFormat::bf16 : halfstep::MomentFormat::f32;
+  return c;
 }
 
 }  // namespace
@@ -132,7 +164,8 @@ int main(int argc, char** argv) {
   // as its total memory (totalGlobalMem; nvidia-smi shows 143771 MiB, counting what the driver
   // keeps). The default was 141 GiB, 1.2 GiB more than the device has.
   double params = 0, memory = 143156.0 * 1024 * 1024, tensors = 0, groups = 2, ranks = 1;
-  std::string grad = "f16", model;
+  std::string grad = "f16", model, master = "f32", moments = "f32";
+  bool formats = false;
   const Units counts = {{"K", 1e3}, {"M", 1e6}, {"B", 1e9}, {"G", 1e9}, {"T", 1e12}};
   const Units sizes = {{"B", 1},         {"KB", 1e3},          {"MB", 1e6},
                        {"GB", 1e9},      {"TB", 1e12},         {"KiB", 1024.0},
@@ -150,6 +183,13 @@ int main(int argc, char** argv) {
                  "model copy format (default: the gradients' for f16 and bf16, none for f32; none: no\n"
                  "copy is written)")
       ->check(CLI::IsMember({"f16", "bf16", "none"}));
+  app.add_option("--master", master,
+                 "master format: f32 (default), or bf16_remainder (a bf16 model copy and an int16\n"
+                 "remainder rebuild the fp32 master exactly; needs --model bf16)")
+      ->check(CLI::IsMember({"f32", "bf16_remainder"}));
+  app.add_option("--moments", moments, "Adam moments' format: f32 (default) or bf16 (both moments)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_flag("--formats", formats, "also print every state format's bytes and the largest model that fits");
   app.add_option("--memory", memory,
                  "device memory: bytes, or with KB MB GB TB (10^3) or KiB MiB GiB TiB (2^10)\n"
                  "(default 143156MiB, 139.8 GiB: an H200's as CUDA reports it)")
@@ -182,10 +222,18 @@ int main(int argc, char** argv) {
   }
 
   if (model.empty()) model = grad == "f32" ? "none" : grad;
-  const double grad_bytes = grad == "f32" ? 4.0 : 2.0;
-  const double model_bytes = model == "none" ? 0.0 : 2.0;
+  if (master == "bf16_remainder" && model != "bf16") {
+    return fail("--master bf16_remainder: the master is a bf16 model copy and an int16 remainder; the model copy is " +
+                (model == "none" ? std::string("none") : model) + " (give --model bf16, or --grad bf16)");
+  }
+  const halfstep::StepConfig config = config_of(grad, model, master, moments);
+  const halfstep::StateBytes held = halfstep::state_bytes(config, model != "none");
+  const double grad_bytes = static_cast<double>(held.gradient);
+  const double model_bytes = static_cast<double>(held.model);
+  const double state_bytes = static_cast<double>(held.state);
+  const double master_bytes = master == "bf16_remainder" ? 2.0 : 4.0;
   const bool sharded = ranks > 1;
-  const RankPlan mine = plan_rank(params, tensors, groups, ranks, grad_bytes, model_bytes);
+  const RankPlan mine = plan_rank(params, tensors, groups, ranks, grad_bytes, model_bytes, state_bytes);
 
   std::printf("halfstep-plan: %.4g parameters in %.*g tensors, %s gradients, %s model copy", params,
               tensors < 1e9 ? 9 : 4, tensors, grad.c_str(), model == "none" ? "no" : model.c_str());
@@ -196,9 +244,14 @@ int main(int argc, char** argv) {
     std::printf("  %-34s %11.4Lg  %12s\n", name.c_str(), bytes / params, bytes_text(bytes).c_str());
   };
   const std::string share = sharded ? ", sharded" : "", whole = sharded ? ", on every rank" : "";
-  row(std::string(grad == "f32" && !sharded ? "fp32 masters (the parameters)" : "fp32 master weights") + share,
-      4.0L * mine.shard);
-  row("fp32 Adam moments (m, v)" + share, 8.0L * mine.shard);
+  if (master == "bf16_remainder") {
+    row("int16 master remainders" + share, 2.0L * mine.shard);
+  } else {
+    row(std::string(grad == "f32" && model == "none" && !sharded ? "fp32 masters (the parameters)" : "fp32 master weights") +
+            share,
+        4.0L * mine.shard);
+  }
+  row(std::string(moments == "f32" ? "fp32" : "bf16") + " Adam moments (m, v)" + share, static_cast<long double>(state_bytes - master_bytes) * mine.shard);
   row(grad + " gradients" + whole, static_cast<long double>(grad_bytes) * mine.padded);
   if (model_bytes > 0) row(model + " model copy" + whole, 2.0L * mine.padded);
   if (mine.workspace >= 0) {
@@ -212,13 +265,7 @@ int main(int argc, char** argv) {
   // average size, the same ranks), within what one step can hold on each rank.
   const double per_tensor = params / tensors;
   const double most_per_step = 2147483647.0 * static_cast<double>(halfstep::chunk_elements());
-  double lo = 0, hi = std::min(memory / (12.0 / ranks + grad_bytes + model_bytes), most_per_step * ranks) + 1;
-  for (int i = 0; i < 200 && hi - lo > 0.5; ++i) {
-    const double mid = std::floor((lo + hi) / 2);
-    const RankPlan p = plan_rank(mid, std::max(1.0, std::ceil(mid / per_tensor)), groups, std::min(ranks, mid),
-                                 grad_bytes, model_bytes);
-    (mid > 0 && p.workspace >= 0 && p.total <= memory ? lo : hi) = mid;
-  }
+  const double lo = most_that_fit(memory, per_tensor, groups, ranks, grad_bytes, model_bytes, state_bytes);
   if (mine.workspace < 0) {
     std::printf("\n  one step holds at most 2^31 - 1 chunks of %lld parameters (%.4g): %s\n",
                 static_cast<long long>(halfstep::chunk_elements()), most_per_step,
@@ -234,5 +281,24 @@ int main(int argc, char** argv) {
                 fits ? "fits" : "does NOT fit", lo);
   }
   std::printf("  (activations, the forward and backward passes' buffers and the framework's own are not counted)\n");
+  std::printf("\n  one applied step moves %zu bytes per parameter (pass 1 reads the gradients; pass 2 reads them,\n"
+              "  reads and writes the masters and moments, writes the model copy)\n",
+              held.moved);
+  if (formats) {
+    // Every state format of these gradients and model copy, the same accounting.
+    std::printf("\n  %-34s %9s %9s  %s\n", "state format (master, moments)", "held B/p", "moved B/p",
+                sharded ? "largest model on these GPUs" : "largest model that fits");
+    for (const char* m : {"f32", "bf16_remainder"}) {
+      if (std::string(m) == "bf16_remainder" && model != "bf16") continue;
+      for (const char* v : {"f32", "bf16"}) {
+        const halfstep::StateBytes b = halfstep::state_bytes(config_of(grad, model, m, v), model != "none");
+        const double most = most_that_fit(memory, per_tensor, groups, ranks, static_cast<double>(b.gradient),
+                                          static_cast<double>(b.model), static_cast<double>(b.state));
+        std::printf("  %-34s %9.4g %9zu  %.4g parameters%s\n", (std::string(m) + ", " + v).c_str(),
+                    static_cast<double>(b.state) / ranks + static_cast<double>(b.gradient + b.model), b.moved, most,
+                    std::string(m) == master && std::string(v) == moments ? "  (this plan)" : "");
+      }
+    }
+  }
   return 0;
 }

@@ -83,8 +83,10 @@ const std::vector<float>& f16_table() {
 class CpuEngine final : public Engine {
  public:
   CpuEngine(const Dims& dims, const Dataset& data, const std::vector<std::vector<float>>& masters,
-            std::int64_t steps)
+            std::int64_t steps, const halfstep::StepConfig& config)
       : dims_(dims), data_(data), losses_(static_cast<std::size_t>(steps), NAN) {
+    const std::size_t m_bytes = slot_bytes(config, halfstep::Slot::exp_avg);
+    const std::size_t v_bytes = slot_bytes(config, halfstep::Slot::exp_avg_sq);
     const auto shapes = tensor_shapes(dims);
     std::size_t total = 0;
     for (const TensorShape& t : shapes) total += static_cast<std::size_t>(t.numel);
@@ -94,8 +96,8 @@ class CpuEngine final : public Engine {
     for (std::size_t t = 0; t < shapes.size(); ++t) {
       Param p;
       p.master = masters[t];
-      p.m.assign(p.master.size(), 0.0f);
-      p.v.assign(p.master.size(), 0.0f);
+      p.m.assign(p.master.size() * m_bytes, 0);  // zero in every moment format
+      p.v.assign(p.master.size() * v_bytes, 0);
       p.n = p.master.size();
       p.grad = flat_grad_.data() + at;
       p.model = flat_model_.data() + at;
@@ -215,7 +217,8 @@ class CpuEngine final : public Engine {
 
  private:
   struct Param {
-    std::vector<float> master, m, v;
+    std::vector<float> master;
+    std::vector<unsigned char> m, v;  // the moments in their format
     std::size_t n = 0;
     std::uint16_t* grad = nullptr;   // into flat_grad_
     std::uint16_t* model = nullptr;  // into flat_model_
@@ -233,8 +236,8 @@ class CpuEngine final : public Engine {
 
 std::unique_ptr<Engine> make_cpu_engine(const Dims& dims, const Dataset& data,
                                         const std::vector<std::vector<float>>& masters,
-                                        std::int64_t steps) {
-  return std::make_unique<CpuEngine>(dims, data, masters, steps);
+                                        std::int64_t steps, const halfstep::StepConfig& config) {
+  return std::make_unique<CpuEngine>(dims, data, masters, steps, config);
 }
 
 }  // namespace train

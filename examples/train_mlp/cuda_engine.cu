@@ -105,8 +105,10 @@ std::vector<std::uint16_t> to_half_bits(const std::vector<float>& x) {
 class CudaEngine final : public Engine {
  public:
   CudaEngine(const Dims& dims, const Dataset& data, const std::vector<std::vector<float>>& masters,
-             std::int64_t steps)
+             std::int64_t steps, const halfstep::StepConfig& config)
       : dims_(dims) {
+    const std::size_t m_bytes = slot_bytes(config, halfstep::Slot::exp_avg);
+    const std::size_t v_bytes = slot_bytes(config, halfstep::Slot::exp_avg_sq);
     TRAIN_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     TRAIN_CHECK(cublasCreate(&blas_));
     TRAIN_CHECK(cublasSetStream(blas_, stream_));
@@ -124,19 +126,16 @@ class CudaEngine final : public Engine {
       p.n = n;
       p.group = shapes[t].group;
       p.master = device_alloc<float>(n);
-      p.m = device_alloc<float>(n);
-      p.v = device_alloc<float>(n);
+      p.m = device_alloc<unsigned char>(n * m_bytes);  // the moments in their format, zero in every one
+      p.v = device_alloc<unsigned char>(n * v_bytes);
+      TRAIN_CHECK(cudaMemset(p.m, 0, n * m_bytes));
+      TRAIN_CHECK(cudaMemset(p.v, 0, n * v_bytes));
       p.grad = flat_grad_ + at;
       p.model = flat_model_ + at;
       at += n;
       params_.push_back(p);
     }
-    const std::vector<std::vector<float>> zeros = [&] {
-      std::vector<std::vector<float>> z;
-      for (const auto& m : masters) z.emplace_back(m.size(), 0.0f);
-      return z;
-    }();
-    write_state(masters, zeros, zeros);
+    write_masters(masters);
 
     const std::vector<std::uint16_t> x = to_half_bits(data.x);
     x_ = device_alloc<__half>(x.size());
@@ -257,16 +256,13 @@ class CudaEngine final : public Engine {
     return value;
   }
 
-  // Sets masters and moments; the model copies become the masters rounded to fp16.
-  void write_state(const std::vector<std::vector<float>>& master, const std::vector<std::vector<float>>& m,
-                   const std::vector<std::vector<float>>& v) {
+  // Sets the masters; the model copies become the masters rounded to fp16.
+  void write_masters(const std::vector<std::vector<float>>& master) {
     sync();
     for (std::size_t t = 0; t < params_.size(); ++t) {
       const Param& p = params_[t];
       const std::vector<std::uint16_t> model = to_half_bits(master[t]);
       TRAIN_CHECK(cudaMemcpy(p.master, master[t].data(), p.n * 4, cudaMemcpyHostToDevice));
-      TRAIN_CHECK(cudaMemcpy(p.m, m[t].data(), p.n * 4, cudaMemcpyHostToDevice));
-      TRAIN_CHECK(cudaMemcpy(p.v, v[t].data(), p.n * 4, cudaMemcpyHostToDevice));
       TRAIN_CHECK(cudaMemcpy(p.model, model.data(), p.n * 2, cudaMemcpyHostToDevice));
     }
     settle();
@@ -281,7 +277,8 @@ class CudaEngine final : public Engine {
   struct Param {
     std::size_t n = 0;
     std::int32_t group = 0;
-    float *master = nullptr, *m = nullptr, *v = nullptr;
+    float* master = nullptr;
+    unsigned char *m = nullptr, *v = nullptr;  // the moments in their format
     __half *grad = nullptr, *model = nullptr;
   };
   Dims dims_;
@@ -310,8 +307,8 @@ bool cuda_available() {
 
 std::unique_ptr<Engine> make_cuda_engine(const Dims& dims, const Dataset& data,
                                          const std::vector<std::vector<float>>& masters,
-                                         std::int64_t steps) {
-  return std::make_unique<CudaEngine>(dims, data, masters, steps);
+                                         std::int64_t steps, const halfstep::StepConfig& config) {
+  return std::make_unique<CudaEngine>(dims, data, masters, steps, config);
 }
 
 }  // namespace train

@@ -45,7 +45,8 @@ float f16(std::uint16_t bits) { return static_cast<float>(halfstep::from_f16_bit
 // buffers, and the optimizer over them.
 struct HostShard {
   std::int64_t begin = 0, end = 0;
-  std::vector<float> master, exp_avg, exp_avg_sq;
+  std::vector<float> master;
+  std::vector<unsigned char> exp_avg, exp_avg_sq;  // the moments in their format
   std::vector<std::uint16_t> grad, model;
   halfstep::Shard pieces;
   std::unique_ptr<halfstep::FusedAdamW> opt;
@@ -83,11 +84,11 @@ class HostRanks final : public Trainer {
       std::tie(s.begin, s.end) = halfstep::even_shard(total_, n, r);
       const auto len = static_cast<std::size_t>(s.end - s.begin);
       s.master.assign(masters.begin() + s.begin, masters.begin() + s.end);
-      s.exp_avg.assign(len, 0.0f);
-      s.exp_avg_sq.assign(len, 0.0f);
+      s.exp_avg.assign(len * slot_bytes(config_, halfstep::Slot::exp_avg), 0);  // zero in every format
+      s.exp_avg_sq.assign(len * slot_bytes(config_, halfstep::Slot::exp_avg_sq), 0);
       s.grad.assign(len, 0);
       s.model.assign(engines_[0]->flat_model() + s.begin, engines_[0]->flat_model() + s.end);
-      s.pieces = halfstep::shard(layout_, s.begin, s.end, s.flat());
+      s.pieces = halfstep::shard(layout_, s.begin, s.end, s.flat(), config_);
       s.opt = std::make_unique<halfstep::FusedAdamW>(s.pieces.tensors, config_, halfstep::Distributed{r, {}},
                                                      halfstep::Backend::reference);
     }
@@ -149,7 +150,8 @@ class HostRanks final : public Trainer {
             const halfstep::CheckpointOptions& options) override {
     // The shards gathered into whole buffers, saved by an optimizer built on them with the state
     // every rank holds.
-    std::vector<float> master, exp_avg, exp_avg_sq;
+    std::vector<float> master;
+    std::vector<unsigned char> exp_avg, exp_avg_sq;
     std::vector<std::uint16_t> grad, model;
     for (const HostShard& s : shards_) {
       master.insert(master.end(), s.master.begin(), s.master.end());
@@ -159,7 +161,8 @@ class HostRanks final : public Trainer {
       model.insert(model.end(), s.model.begin(), s.model.end());
     }
     halfstep::ParamTensor flat{master.data(), grad.data(), exp_avg.data(), exp_avg_sq.data(), model.data(), total_, 0};
-    halfstep::FusedAdamW whole(halfstep::shard(layout_, 0, total_, flat).tensors, config_, halfstep::Backend::reference);
+    halfstep::FusedAdamW whole(halfstep::shard(layout_, 0, total_, flat, config_).tensors, config_,
+                               halfstep::Backend::reference);
     whole.load_state(shards_[0].opt->save_state());
     halfstep::save_checkpoint(whole, names, path, options);
   }

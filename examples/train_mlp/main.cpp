@@ -70,6 +70,7 @@ struct Options {
   bool quiet = false;
   int ranks = 0;               // 0: no data parallelism
   bool replicate_batch = false;
+  std::string moments = "f32", rounding = "stochastic";  // the Adam moments' format and its rounding
   std::string command_line;  // as given, for the trace's description
 };
 
@@ -238,6 +239,15 @@ Options parse(int argc, char** argv) {
                  "copies all-gathered. On a GPU machine one rank per GPU over NCCL; on the\n"
                  "CPU, N ranks simulated in this process. --trace writes one file per rank")
       ->transform(decimal_in(1, train::kFlatSlack));
+  app.add_option("--moments", o.moments,
+                 "the Adam moments' format: f32 (default) or bf16 (decoded and encoded inside the\n"
+                 "fused step, 2 B each instead of 4). The masters stay fp32: this program computes in\n"
+                 "fp16, and remainders rebuild masters from a bf16 model copy only")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--rounding", o.rounding,
+                 "how bf16 moments are stored: stochastic (default; its bits keyed by --seed, the step,\n"
+                 "the tensor and the element) or nearest")
+      ->check(CLI::IsMember({"stochastic", "nearest"}));
   app.add_flag("--replicate-batch", o.replicate_batch,
                "with --ranks: every rank computes the whole batch (so the sharded step must\n"
                "reproduce the unsharded one exactly)");
@@ -308,6 +318,9 @@ Scenario make_scenario(const Options& o, std::int64_t steps) {
   c.max_grad_norm = 1.0f;
   c.scaler.growth_interval = o.growth_interval;
   c.scaler.headroom_growth = o.headroom_growth;
+  if (o.moments == "bf16") c.state.exp_avg = c.state.exp_avg_sq = halfstep::MomentFormat::bf16;
+  c.state.rounding = o.rounding == "nearest" ? halfstep::Rounding::nearest : halfstep::Rounding::stochastic;
+  c.state.seed = o.seed;
   const float base = o.lr;
   s.lr = [base](std::int64_t) { return base; };
   if (o.scenario == "overflow-storm") {
@@ -665,8 +678,8 @@ int run(const Options& o) {
     return d;
   };
   auto make_engine = [&](int r) -> std::unique_ptr<train::Engine> {
-    if (!gpu) return train::make_cpu_engine(rank_dims(r), data, masters, steps);
-    return train::make_cuda_engine(rank_dims(r), data, masters, steps);
+    if (!gpu) return train::make_cpu_engine(rank_dims(r), data, masters, steps, scenario.config);
+    return train::make_cuda_engine(rank_dims(r), data, masters, steps, scenario.config);
   };
   std::unique_ptr<train::Engine> engine;  // the plain run's
   std::unique_ptr<train::Trainer> trainer;
@@ -700,6 +713,16 @@ int run(const Options& o) {
     }
     std::printf("  data parallel over %d ranks: %s, optimizer state sharded\n", ranks, part.c_str());
   }
+  {
+    const halfstep::StateFormat& f = scenario.config.state;
+    const halfstep::StateBytes b = halfstep::state_bytes(scenario.config);
+    std::printf("  optimizer state: fp32 masters, %s moments%s; %zu B a parameter held, %zu B moved a step\n",
+                f.exp_avg == halfstep::MomentFormat::bf16 ? "bf16" : "fp32",
+                f.exp_avg == halfstep::MomentFormat::bf16
+                    ? (std::string(" (") + halfstep::rounding_name(f.rounding) + " rounding)").c_str()
+                    : "",
+                b.state + b.gradient + b.model, b.moved);
+  }
 
   if (start > 0) {
     trainer->load(tensor_names(dims), o.resume);
@@ -713,6 +736,11 @@ int run(const Options& o) {
     run["engine"] = engine_name;
     run["rank"] = r;
     run["ranks"] = ranks;
+    const halfstep::StateFormat& f = scenario.config.state;
+    run["state"] = {{"master", halfstep::master_format_name(f.master)},
+                    {"exp_avg", halfstep::moment_format_name(f.exp_avg)},
+                    {"exp_avg_sq", halfstep::moment_format_name(f.exp_avg_sq)},
+                    {"rounding", halfstep::rounding_name(f.rounding)}};
     run["first_attempt"] = start + 1;  // the attempt column of this run's first row
     traces[r].start(run);
   }

@@ -108,13 +108,18 @@ class Engine {
 /// order whatever the CPU, and halfstep's reference backend.
 std::unique_ptr<Engine> make_cpu_engine(const Dims& dims, const Dataset& data,
                                         const std::vector<std::vector<float>>& masters,
-                                        std::int64_t steps);
+                                        std::int64_t steps, const halfstep::StepConfig& config);
 
 /// The CUDA engine: cuBLAS products (cublasGemmEx, fp16 operands, CUBLAS_COMPUTE_32F) and
 /// halfstep's fused CUDA step. Throws if no device is present.
 std::unique_ptr<Engine> make_cuda_engine(const Dims& dims, const Dataset& data,
                                          const std::vector<std::vector<float>>& masters,
-                                         std::int64_t steps);
+                                         std::int64_t steps, const halfstep::StepConfig& config);
+
+/// Bytes of one element of `slot` under `config` (the moments' format: halfstep::slot_layouts).
+inline std::size_t slot_bytes(const halfstep::StepConfig& config, halfstep::Slot slot) {
+  return halfstep::slot_layouts(config)[static_cast<std::size_t>(slot)].element_bytes;
+}
 
 /// True when a CUDA device is present.
 bool cuda_available();

@@ -36,7 +36,8 @@ T* device_buffer(std::size_t n) {
 struct DeviceShard {
   int device = 0;
   std::int64_t begin = 0, end = 0;
-  float *master = nullptr, *exp_avg = nullptr, *exp_avg_sq = nullptr;
+  float* master = nullptr;
+  unsigned char *exp_avg = nullptr, *exp_avg_sq = nullptr;  // the moments in their format
   std::uint16_t *grad = nullptr, *model = nullptr;
   halfstep::Shard pieces;
   std::unique_ptr<halfstep::FusedAdamW> opt;
@@ -87,11 +88,11 @@ class NcclRanks final : public Trainer {
       std::tie(s.begin, s.end) = halfstep::even_shard(total_, n, r);  // chunks of per_rank_
       const auto len = static_cast<std::size_t>(per_rank_);
       s.master = device_buffer<float>(len);
-      s.exp_avg = device_buffer<float>(len);
-      s.exp_avg_sq = device_buffer<float>(len);
+      s.exp_avg = device_buffer<unsigned char>(len * slot_bytes(config_, halfstep::Slot::exp_avg));  // zeroed
+      s.exp_avg_sq = device_buffer<unsigned char>(len * slot_bytes(config_, halfstep::Slot::exp_avg_sq));
       s.grad = device_buffer<std::uint16_t>(len);
       s.model = device_buffer<std::uint16_t>(len);
-      s.pieces = halfstep::shard(layout_, s.begin, s.end, s.flat());
+      s.pieces = halfstep::shard(layout_, s.begin, s.end, s.flat(), config_);
       // The shard's masters and model copy, from this rank's engine (every engine starts alike).
       const std::vector<halfstep::ParamTensor> full = engines_[static_cast<std::size_t>(r)]->tensors();
       for (std::size_t k = 0; k < s.pieces.tensors.size(); ++k) {
@@ -193,7 +194,10 @@ class NcclRanks final : public Trainer {
     // The shards gathered to the host, saved by a reference-backend optimizer built on them with
     // the state every rank holds.
     const auto total = static_cast<std::size_t>(total_);
-    std::vector<float> master(total), exp_avg(total), exp_avg_sq(total);
+    const std::size_t m_bytes = slot_bytes(config_, halfstep::Slot::exp_avg);
+    const std::size_t v_bytes = slot_bytes(config_, halfstep::Slot::exp_avg_sq);
+    std::vector<float> master(total);
+    std::vector<unsigned char> exp_avg(total * m_bytes), exp_avg_sq(total * v_bytes);
     std::vector<std::uint16_t> grad(total), model(total);
     for (DeviceShard& s : shards_) {
       check(cudaSetDevice(s.device), "cudaSetDevice");
@@ -201,12 +205,14 @@ class NcclRanks final : public Trainer {
       const auto len = static_cast<std::size_t>(s.end - s.begin);
       const auto at = static_cast<std::size_t>(s.begin);
       check(cudaMemcpy(master.data() + at, s.master, len * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
-      check(cudaMemcpy(exp_avg.data() + at, s.exp_avg, len * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
-      check(cudaMemcpy(exp_avg_sq.data() + at, s.exp_avg_sq, len * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      check(cudaMemcpy(exp_avg.data() + at * m_bytes, s.exp_avg, len * m_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      check(cudaMemcpy(exp_avg_sq.data() + at * v_bytes, s.exp_avg_sq, len * v_bytes, cudaMemcpyDeviceToHost),
+            "cudaMemcpy");
       check(cudaMemcpy(model.data() + at, s.model, len * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
     }
     halfstep::ParamTensor flat{master.data(), grad.data(), exp_avg.data(), exp_avg_sq.data(), model.data(), total_, 0};
-    halfstep::FusedAdamW whole(halfstep::shard(layout_, 0, total_, flat).tensors, config_, halfstep::Backend::reference);
+    halfstep::FusedAdamW whole(halfstep::shard(layout_, 0, total_, flat, config_).tensors, config_,
+                               halfstep::Backend::reference);
     check(cudaSetDevice(shards_[0].device), "cudaSetDevice");
     whole.load_state(shards_[0].opt->save_state());
     halfstep::save_checkpoint(whole, names, path, options);

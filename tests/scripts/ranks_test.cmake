@@ -4,11 +4,13 @@
 #      rows — loss, norm, scale, outcome and every other column — are byte-identical to each
 #      other and to the run without --ranks: the sharded step is the unsharded one, exactly.
 #   3. A checkpoint written by 3 ranks at step 100, resumed on 2: the same rows again.
-# Run as: cmake -DTRAIN=... -DWORK_DIR=... -P ranks_test.cmake
+# EXTRA (a list) is added to every run: --moments;bf16 checks the same with bf16 moments, rounded
+# stochastically from bits keyed by element, not by rank.
+# Run as: cmake -DTRAIN=... -DWORK_DIR=... [-DEXTRA=...] -P ranks_test.cmake
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 function(train)
-  execute_process(COMMAND "${TRAIN}" --cpu --quiet ${ARGN}
+  execute_process(COMMAND "${TRAIN}" --cpu --quiet ${EXTRA} ${ARGN}
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   message("${out}${err}")
   if(NOT rc EQUAL 0)
