@@ -17,8 +17,10 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <array>
 #include <map>
 #include <memory>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -59,19 +61,39 @@ struct Row {
 std::vector<Row> g_rows;
 std::map<std::string, double> g_unfused_median;  // by workload key
 
-// A named list of tensor sizes with a gradient format and clipping on or off.
+// A named list of tensor sizes with a gradient format, clipping on or off, and the state's formats.
 struct Workload {
   std::string name;
   std::vector<std::int64_t> sizes;
   DType grad;
   bool clip;
-  std::string key() const { return name + "/" + halfstep::dtype_name(grad) + (clip ? "/clip" : "/noclip"); }
+  halfstep::StateFormat state{};
+  std::string key() const {
+    std::string k = name + "/" + halfstep::dtype_name(grad) + (clip ? "/clip" : "/noclip");
+    if (state.master != halfstep::MasterFormat::f32 || state.exp_avg != halfstep::MomentFormat::f32 ||
+        state.exp_avg_sq != halfstep::MomentFormat::f32) {
+      k += std::string("/") + halfstep::master_format_name(state.master) + "+" +
+           halfstep::moment_format_name(state.exp_avg) + "/" + halfstep::moment_format_name(state.exp_avg_sq);
+      if (state.exp_avg == halfstep::MomentFormat::bf16 || state.exp_avg_sq == halfstep::MomentFormat::bf16) {
+        k += std::string("/") + halfstep::rounding_name(state.rounding);
+      }
+    }
+    return k;
+  }
   double params() const {
     double n = 0;
     for (auto s : sizes) n += static_cast<double>(s);
     return n;
   }
-  double bytes_per_param() const { return clip ? 30.0 : 28.0; }
+  halfstep::StepConfig config() const;
+  // The bytes one applied step moves per parameter (halfstep::state_bytes; without clipping, the
+  // norm is not needed but pass 1 still reads the gradients for the inf/NaN check: the same).
+  double bytes_per_param() const { return static_cast<double>(halfstep::state_bytes(config()).moved); }
+  // The bytes the buffers hold per parameter.
+  double held_per_param() const {
+    const halfstep::StateBytes b = halfstep::state_bytes(config());
+    return static_cast<double>(b.state + b.gradient + b.model);
+  }
 };
 
 // GPT-2 1.5B-like: token and position embeddings, 48 blocks of (ln_1, qkv, proj, ln_2, fc,
@@ -87,32 +109,50 @@ std::vector<std::int64_t> gpt2_xl() {
   return s;
 }
 
-// Every buffer of a workload in one allocation per kind, each tensor 16-byte aligned.
+// Every buffer of a workload in one allocation per slot, each in its format (halfstep::slot_layouts),
+// each tensor 16-byte aligned.
 struct Buffers {
   std::vector<std::int64_t> offset;
   std::int64_t total = 0;
-  float *master = nullptr, *m = nullptr, *v = nullptr;
+  void *master = nullptr, *m = nullptr, *v = nullptr;
   void *grad = nullptr, *model = nullptr;
+  std::array<halfstep::SlotLayout, halfstep::kSlotCount> slots;
 
   static std::int64_t padded_total(const std::vector<std::int64_t>& sizes) {
     std::int64_t t = 0;
     for (auto n : sizes) t += (n + 7) / 8 * 8;
     return t;
   }
-  explicit Buffers(const Workload& w) {
+  explicit Buffers(const Workload& w) : slots(halfstep::slot_layouts(w.config())) {
     for (auto n : w.sizes) {
       offset.push_back(total);
       total += (n + 7) / 8 * 8;
     }
     const auto n = static_cast<std::size_t>(total);
-    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&master), n * 4));
-    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&m), n * 4));
-    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&v), n * 4));
-    CHECK_CUDA(cudaMalloc(&grad, n * 2));
+    auto bytes = [&](halfstep::Slot s) { return n * slots[static_cast<std::size_t>(s)].element_bytes; };
+    CHECK_CUDA(cudaMalloc(&master, bytes(halfstep::Slot::master)));
+    CHECK_CUDA(cudaMalloc(&m, bytes(halfstep::Slot::exp_avg)));
+    CHECK_CUDA(cudaMalloc(&v, bytes(halfstep::Slot::exp_avg_sq)));
+    CHECK_CUDA(cudaMalloc(&grad, bytes(halfstep::Slot::grad)));
     CHECK_CUDA(cudaMalloc(&model, n * 2));
-    bench::fill_uniform(master, total, -1.0f, 1.0f, 1, g_stream);
-    bench::fill_uniform(m, total, -1e-3f, 1e-3f, 2, g_stream);
-    bench::fill_uniform(v, total, 1e-8f, 1e-6f, 3, g_stream);
+    // fp32 state: masters in [-1, 1], moments of a few earlier steps. Narrow formats: the model
+    // copy is the master (bf16 values), the remainders and bf16 moments start at zero.
+    if (w.state.master == halfstep::MasterFormat::f32) {
+      bench::fill_uniform(static_cast<float*>(master), total, -1.0f, 1.0f, 1, g_stream);
+    } else {
+      CHECK_CUDA(cudaMemsetAsync(master, 0, bytes(halfstep::Slot::master), g_stream));
+      bench::fill_grads(model, DType::bf16, total, 0.5f, 1, g_stream);
+    }
+    if (w.state.exp_avg == halfstep::MomentFormat::f32) {
+      bench::fill_uniform(static_cast<float*>(m), total, -1e-3f, 1e-3f, 2, g_stream);
+    } else {
+      CHECK_CUDA(cudaMemsetAsync(m, 0, bytes(halfstep::Slot::exp_avg), g_stream));
+    }
+    if (w.state.exp_avg_sq == halfstep::MomentFormat::f32) {
+      bench::fill_uniform(static_cast<float*>(v), total, 1e-8f, 1e-6f, 3, g_stream);
+    } else {
+      CHECK_CUDA(cudaMemsetAsync(v, 0, bytes(halfstep::Slot::exp_avg_sq), g_stream));
+    }
     bench::fill_grads(grad, w.grad, total, w.grad == DType::f16 ? 1024.0f : 1.0f, 4, g_stream);
     CHECK_CUDA(cudaStreamSynchronize(g_stream));
   }
@@ -126,28 +166,38 @@ struct Buffers {
   std::vector<halfstep::ParamTensor> tensors(const Workload& w) const {
     std::vector<halfstep::ParamTensor> out;
     for (std::size_t t = 0; t < w.sizes.size(); ++t) {
-      const auto o = static_cast<std::size_t>(offset[t]);
-      out.push_back({master + o, static_cast<std::uint16_t*>(grad) + o, m + o, v + o,
-                     static_cast<std::uint16_t*>(model) + o, w.sizes[t], 0});
+      halfstep::ParamTensor p;
+      for (const halfstep::SlotLayout& s : slots) {
+        auto* base = static_cast<unsigned char*>(s.slot == halfstep::Slot::master       ? master
+                                                 : s.slot == halfstep::Slot::exp_avg    ? m
+                                                 : s.slot == halfstep::Slot::exp_avg_sq ? v
+                                                 : s.slot == halfstep::Slot::grad       ? grad
+                                                                                        : model);
+        halfstep::set_slot_pointer(p, s.slot, base + static_cast<std::size_t>(offset[t]) * s.element_bytes);
+      }
+      p.numel = w.sizes[t];
+      out.push_back(p);
     }
     return out;
   }
 };
 
-halfstep::StepConfig step_config(const Workload& w) {
+halfstep::StepConfig Workload::config() const {
   halfstep::StepConfig c;
-  c.grad_dtype = w.grad;
-  c.model_dtype = w.grad;
-  c.max_grad_norm = w.clip ? 1.0f : 0.0f;
-  c.scaler = halfstep::ScalerConfig::constant(w.grad == DType::f16 ? 1024.0f : 1.0f);
+  c.grad_dtype = grad;
+  c.model_dtype = grad;
+  c.max_grad_norm = clip ? 1.0f : 0.0f;
+  c.scaler = halfstep::ScalerConfig::constant(grad == DType::f16 ? 1024.0f : 1.0f);
   c.groups[0].weight_decay = 0.01f;
+  c.state = state;
   return c;
 }
 
 bool fits(const Workload& w, double extra_bytes_per_param, benchmark::State& state) {
   std::size_t free_bytes = 0, total = 0;
   CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total));
-  const double need = static_cast<double>(Buffers::padded_total(w.sizes)) * (16.0 + extra_bytes_per_param) + (64 << 20);
+  const double need =
+      static_cast<double>(Buffers::padded_total(w.sizes)) * (w.held_per_param() + extra_bytes_per_param) + (64 << 20);
   if (need > static_cast<double>(free_bytes)) {
     state.SkipWithError(("needs " + std::to_string(static_cast<long long>(need / (1 << 30))) +
                          " GiB of device memory").c_str());
@@ -219,8 +269,8 @@ void bench_unfused(benchmark::State& state, const Workload& w) {
   if (!fits(w, 4.0, state)) return;
   Buffers buf(w);
   bench::UnfusedPipeline pipe(buf.total, w.grad, w.grad, w.clip ? 1.0f : 0.0f,
-                              w.grad == DType::f16 ? 1024.0f : 1.0f, buf.grad, buf.master, buf.m,
-                              buf.v, buf.model);
+                              w.grad == DType::f16 ? 1024.0f : 1.0f, buf.grad, static_cast<float*>(buf.master),
+                              static_cast<float*>(buf.m), static_cast<float*>(buf.v), buf.model);
   const double median = time_median(state, [&] { pipe.step(g_stream); });
   g_unfused_median[w.key()] = median;
   record(state, "unfused " + w.key(), w.params(), w.bytes_per_param(), median, pipe.launches(), 0.0);
@@ -229,7 +279,7 @@ void bench_unfused(benchmark::State& state, const Workload& w) {
 void bench_fused(benchmark::State& state, const Workload& w) {
   if (!fits(w, 0.0, state)) return;
   Buffers buf(w);
-  halfstep::FusedAdamW opt(buf.tensors(w), step_config(w));
+  halfstep::FusedAdamW opt(buf.tensors(w), w.config());
   const double median = time_median(state, [&] { opt.step(g_stream); });
   if (opt.last_report().outcome != halfstep::Outcome::applied) {
     state.SkipWithError("the fused step did not apply (overflow in the benchmark data?)");
@@ -243,13 +293,14 @@ void bench_fused(benchmark::State& state, const Workload& w) {
 void bench_pass(benchmark::State& state, const Workload& w, int pass) {
   if (!fits(w, 0.0, state)) return;
   Buffers buf(w);
-  halfstep::FusedAdamW opt(buf.tensors(w), step_config(w));
+  halfstep::FusedAdamW opt(buf.tensors(w), w.config());
   opt.step(g_stream);  // a decision to apply, for pass 2 alone
   CHECK_CUDA(cudaStreamSynchronize(g_stream));
   auto& impl = halfstep::detail::FusedAccess::impl(opt);
   const double median = time_median(state, [&] { impl.enqueue_pass(pass, g_stream); });
   const char* names[] = {"pass 1 check_and_norm", "finalize", "pass 2 apply"};
-  const double bytes[] = {2.0, 0.0, 28.0};
+  const double grad_bytes = static_cast<double>(halfstep::state_bytes(w.config()).gradient);
+  const double bytes[] = {grad_bytes, 0.0, w.bytes_per_param() - grad_bytes};
   record(state, std::string(names[pass]) + " " + w.key(), w.params(), bytes[pass], median, 1, 0.0);
 }
 
@@ -263,7 +314,12 @@ void register_all() {
     steps.push_back(single(1 << 12, "2^12", DType::f16, true));
     std::vector<std::int64_t> tiny(100, 7);
     steps.push_back({"100 tiny tensors", tiny, DType::f16, true});
-    passes.push_back(single(1 << 12, "2^12", DType::f16, true));
+    passes.push_back(single(1 << 12, "2^12", DType::bf16, true));
+    Workload lean = single(1 << 12, "2^12", DType::bf16, true);  // remainders and bf16 moments
+    lean.state.master = halfstep::MasterFormat::bf16_remainder;
+    lean.state.exp_avg = lean.state.exp_avg_sq = halfstep::MomentFormat::bf16;
+    steps.push_back(lean);
+    passes.push_back(lean);
   } else {
     std::vector<std::pair<std::int64_t, std::string>> sizes;
     if (g_options.quick) {
@@ -287,12 +343,33 @@ void register_all() {
     }
     passes.push_back(single(1 << 26, "2^26", DType::f16, true));
     passes.push_back({"GPT-2 1.5B (580 tensors)", gpt2_xl(), DType::f16, true});
+    // The state formats (bf16 gradients and model copy): the step and pass 2 alone, per format.
+    for (const auto& [master, moments, rounding] :
+         std::vector<std::tuple<halfstep::MasterFormat, halfstep::MomentFormat, halfstep::Rounding>>{
+             {halfstep::MasterFormat::f32, halfstep::MomentFormat::bf16, halfstep::Rounding::stochastic},
+             {halfstep::MasterFormat::f32, halfstep::MomentFormat::bf16, halfstep::Rounding::nearest},
+             {halfstep::MasterFormat::bf16_remainder, halfstep::MomentFormat::f32, halfstep::Rounding::stochastic},
+             {halfstep::MasterFormat::bf16_remainder, halfstep::MomentFormat::bf16, halfstep::Rounding::stochastic}}) {
+      Workload w = single(1 << 26, "2^26", DType::bf16, true);
+      w.state.master = master;
+      w.state.exp_avg = w.state.exp_avg_sq = moments;
+      w.state.rounding = rounding;
+      steps.push_back(w);
+      passes.push_back(w);
+      if (!g_options.quick) {
+        w.name = "GPT-2 1.5B (580 tensors)";
+        w.sizes = gpt2_xl();
+        steps.push_back(w);
+      }
+    }
   }
   const int iterations = g_options.smoke ? 3 : 20;
   benchmark::RegisterBenchmark("copy", bench_copy)->UseManualTime()->Iterations(iterations)->Unit(benchmark::kMicrosecond);
   for (const Workload& w : steps) {
-    benchmark::RegisterBenchmark(("step/unfused/" + w.key()).c_str(), [w](benchmark::State& s) { bench_unfused(s, w); })
-        ->UseManualTime()->Iterations(iterations)->Unit(benchmark::kMicrosecond);
+    if (w.key().find('+') == std::string::npos) {  // the unfused pipeline holds fp32 state only
+      benchmark::RegisterBenchmark(("step/unfused/" + w.key()).c_str(), [w](benchmark::State& s) { bench_unfused(s, w); })
+          ->UseManualTime()->Iterations(iterations)->Unit(benchmark::kMicrosecond);
+    }
     benchmark::RegisterBenchmark(("step/fused/" + w.key()).c_str(), [w](benchmark::State& s) { bench_fused(s, w); })
         ->UseManualTime()->Iterations(iterations)->Unit(benchmark::kMicrosecond);
   }

@@ -323,7 +323,9 @@ halfstep_status halfstep_state_bytes_of(const halfstep_config* config, int32_t m
       halfstep_group_init(&h);
       return h;
     }();
-    const halfstep::StateBytes b = halfstep::state_bytes(step_config(&g, 1, *config), model_copy != 0);
+    const halfstep::StepConfig c = step_config(&g, 1, *config);
+    c.validate();  // a format the step cannot serve is refused, as at creation
+    const halfstep::StateBytes b = halfstep::state_bytes(c, model_copy != 0);
     *out = halfstep_state_bytes{b.state, b.gradient, b.model, b.moved};
   });
 }

@@ -20,5 +20,5 @@
 /// halfstep's version; CMake reads it from here. The library reports the version it was built as
 /// at run time (halfstep::version(), halfstep_version()).
 #define HALFSTEP_VERSION_MAJOR 0
-#define HALFSTEP_VERSION_MINOR 4
+#define HALFSTEP_VERSION_MINOR 5
 #define HALFSTEP_VERSION_PATCH 0

@@ -227,7 +227,7 @@ HALFSTEP_C_API halfstep_status halfstep_set_loss_scale(halfstep_optimizer* opt, 
  *  HALFSTEP_REASON_INVALID_LEARNING_RATE. NULL on error. */
 HALFSTEP_C_API float* halfstep_device_lr(halfstep_optimizer* opt, int32_t group);
 /** Bytes per parameter element of a step with `config` (halfstep::state_bytes), for tensors with
- *  (`model_copy` nonzero) or without a model copy. */
+ *  (`model_copy` nonzero) or without a model copy; a config a step would refuse is refused here. */
 HALFSTEP_C_API halfstep_status halfstep_state_bytes_of(const halfstep_config* config, int32_t model_copy,
                                                        halfstep_state_bytes* out);
 /** A group's hyperparameters as the next step uses them (its learning rate as the step reads it,

@@ -22,7 +22,7 @@ import hashlib as _hashlib
 
 import torch
 
-from . import _formats, _hyper, _ranks, version
+from . import _hyper, _ranks, version
 from ._layouts import SLOTS
 
 KEY = _hyper.STATE_KEY
@@ -194,20 +194,18 @@ class Checked:
             local = {}
             for key in SLOTS:
                 t = layout.to_local(i, key, entry.get(key))
-                dtypes = (torch.float32,) if key == "master" else tuple(_formats.MOMENT_DTYPES)
+                dtypes = layout.saved_dtypes(key)
                 if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or tuple(t.shape) != shape:
                     raise ValueError("load_state_dict: state[%d]['%s'] must be a %s tensor of shape %s" %
                                      (i, key, " or ".join(str(d)[6:] for d in dtypes), shape))
                 if not bool(torch.isfinite(t).all()):
                     raise ValueError("load_state_dict: state[%d]['%s'] holds inf or NaN: an applied step never "
                                      "writes one, so this state was not written by a step" % (i, key))
-                if key != "master" and t.dtype != layout.formats[key]:
-                    t = _formats.moment(t.to(layout.device), opt._formats.exp_avg if key == "exp_avg"
-                                        else opt._formats.exp_avg_sq)
-                    if not bool(torch.isfinite(t).all()):
-                        raise ValueError("load_state_dict: state[%d]['%s'] holds values past bfloat16's range: this "
-                                         "optimizer keeps %s in bfloat16" % (i, key, key))
-                local[key] = t
+                stored = layout.converted(key, t)
+                if stored is not t and not bool(torch.isfinite(stored).all()):
+                    raise ValueError("load_state_dict: state[%d]['%s'] holds values past %s's range: this optimizer "
+                                     "keeps %s in %s" % (i, key, str(stored.dtype)[6:], key, str(stored.dtype)[6:]))
+                local[key] = stored
             if bool((local["exp_avg_sq"] < 0).any()):
                 raise ValueError("load_state_dict: state[%d]['exp_avg_sq'] holds negative values" % i)
             if not bool(torch.isfinite(local["master"].to(opt._dtype)).all()):

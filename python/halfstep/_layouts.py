@@ -96,6 +96,10 @@ class Layout:
         """The bfloat16 model values beside parameter i's remainders, as views() cuts them."""
         raise NotImplementedError
 
+    def rebuilt_slots(self):
+        """The slots shown otherwise than stored (rebuilt on each read: a copy)."""
+        return ("master",) if self.remainders else ()
+
     def shown(self, i, name):
         """Slot `name` of parameter i as users and checkpoints see it: the stored tensor itself, but
         for a master kept as a remainder: the fp32 masters, rebuilt (a copy)."""
@@ -121,6 +125,19 @@ class Layout:
     def to_local(self, i, name, t):
         """A saved slot as this rank's tensor (the identity, but for DTensors)."""
         return t
+
+    @staticmethod
+    def saved_dtypes(name):
+        """The dtypes a saved slot may have (a state_dict of any format): fp32 masters; moments in
+        fp32 or bf16."""
+        return (torch.float32,) if name == "master" else tuple(_formats.MOMENT_DTYPES)
+
+    def converted(self, name, t):
+        """A saved moment in this layout's dtype (fp32 into bf16 rounds once, to nearest even; bf16
+        into fp32 is exact); a master as it is (load() stores it in this layout's format)."""
+        if name == "master" or t.dtype == self.formats[name]:
+            return t
+        return _formats.moment(t.to(self.device), getattr(self.state_formats, name))
 
     def load(self, entries):
         """Writes checked {index: {slot: tensor}} (fp32 masters, moments in this layout's dtypes)

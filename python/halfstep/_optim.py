@@ -561,7 +561,7 @@ class FusedAdamW(torch.optim.Optimizer):
         fresh = _StateMap(self)
         for i, p in enumerate(self._params):
             views = self._layout.views(i)
-            entry = _ParamState(self, i, views, ("master",) if self._formats.remainders and "master" in views else ())
+            entry = _ParamState(self, i, views, [k for k in self._layout.rebuilt_slots() if k in views])
             dict.__setitem__(entry, "step", self._step_copy)
             for k, v in extras.get(id(p), {}).items():
                 dict.__setitem__(entry, k, v)

@@ -159,3 +159,57 @@ def test_autocast_with_fp32_parameters_and_the_grad_scaler_never_synchronises():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert opt.scaler_state()["overflows"] >= 1 and int(opt.applied_steps) >= 7
+
+
+def test_lean_state_on_cuda_remainders_exact_and_captured_in_a_cuda_graph():
+    # bfloat16 parameters on the device: remainders with bf16 moments step bitwise like fp32 masters
+    # with bf16 moments (the same kernels' arithmetic; stochastic rounding keyed alike), the moments
+    # within a bf16 rounding of the CPU step's, and the lean step captured in a CUDA graph replays
+    # like eager steps, bit for bit (the optimizer step alone: the gradients are given).
+    bf16 = torch.bfloat16
+    moments = dict(exp_avg_dtype=bf16, exp_avg_sq_dtype=bf16, seed=5)
+    kw = dict(lr=1e-2, weight_decay=0.05, max_grad_norm=0.5)
+    runs = {}
+    for name, extra in (("fp32 masters", {}), ("remainders", dict(store_param_remainders=True)),
+                        ("captured", dict(store_param_remainders=True))):
+        params = fresh_params(SHAPES, bf16, seed=31, device="cuda")
+        opt = FusedAdamW(params, **kw, **moments, **extra)
+        grads = [torch.zeros_like(p) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        gen = torch.Generator().manual_seed(32)
+        steps = [scaled_grads(SHAPES, bf16, 1.0, gen, 3e-2)[1] for _ in range(10)]
+        steps[4][1].view(-1)[0] = math.inf
+        reports = []
+        if name == "captured":
+            for g, new in zip(grads, steps[0]):
+                g.copy_(new)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                opt.step()  # the first step (warm-up), eager
+            torch.cuda.current_stream().wait_stream(side)
+            reports.append(opt.last_report())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                opt.step()
+            for new_grads in steps[1:]:
+                for g, new in zip(grads, new_grads):
+                    g.copy_(new)
+                graph.replay()
+                torch.cuda.synchronize()
+                reports.append(opt.last_report())
+        else:
+            for new_grads in steps:
+                for g, new in zip(grads, new_grads):
+                    g.copy_(new)
+                opt.step()
+                reports.append(opt.last_report())
+        runs[name] = ([r["outcome"] for r in reports], [p.detach().clone() for p in params],
+                      [opt.state[p]["exp_avg_sq"].clone() for p in params])
+    base = runs["fp32 masters"]
+    assert base[0].count("applied") == 9
+    for name in ("remainders", "captured"):
+        assert runs[name][0] == base[0], name
+        assert all(torch.equal(a, b) for a, b in zip(runs[name][1], base[1])), name
+        assert all(torch.equal(a, b) for a, b in zip(runs[name][2], base[2])), name

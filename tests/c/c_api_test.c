@@ -50,6 +50,22 @@ int halfstep_c_api_exercise(const char* dir) {
     CHECK(6, halfstep_workspace_bytes(numels, 2, 1, &bytes) == HALFSTEP_OK && bytes > 0);
     CHECK(7, halfstep_workspace_bytes(numels, -1, 1, &bytes) == HALFSTEP_ERROR_INVALID_ARGUMENT);
   }
+  {
+    /* The bytes of each state format: fp32 state 12 B held, 30 B moved; the lean one 6 and 20. */
+    halfstep_config lean;
+    halfstep_state_bytes b;
+    halfstep_config_init(&lean);
+    CHECK(83, halfstep_state_bytes_of(&lean, 1, &b) == HALFSTEP_OK && b.state == 12 && b.moved == 30);
+    lean.grad_dtype = lean.model_dtype = HALFSTEP_BF16;
+    lean.master_format = HALFSTEP_MASTER_BF16_REMAINDER;
+    lean.exp_avg_format = lean.exp_avg_sq_format = HALFSTEP_MOMENT_BF16;
+    CHECK(84, halfstep_state_bytes_of(&lean, 1, &b) == HALFSTEP_OK && b.state == 6 && b.moved == 20 &&
+                  b.gradient == 2 && b.model == 2);
+    lean.model_dtype = HALFSTEP_F16; /* remainders need a bf16 model copy */
+    CHECK(85, halfstep_state_bytes_of(&lean, 1, &b) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                  strstr(halfstep_last_error(), "bf16_remainder") != NULL);
+    CHECK(86, halfstep_state_bytes_of(NULL, 1, &b) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+  }
 
   /* Two tensors in two groups. */
   for (t = 0; t < 2; ++t) {
