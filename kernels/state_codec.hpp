@@ -162,9 +162,13 @@ template <>
 struct MasterCodec<MasterFormat::bf16_remainder, DType::bf16> {
   using Stored = std::uint16_t;  // the remainder's two's-complement bits
   static constexpr bool kReadsModel = true;
+  /// The master; a pair a step never stores whose join is not a number (the model copy written
+  /// as ±0 over a negative remainder, outside the step: the sum wraps past the sign) is the model
+  /// copy's own value. A model copy that is inf or NaN stays so (the update is then held).
   HALFSTEP_HD static float decode(std::uint16_t remainder, std::uint16_t model) {
-    return float_of((static_cast<std::uint32_t>(model) << 16) +
-                    static_cast<std::uint32_t>(static_cast<std::int32_t>(static_cast<std::int16_t>(remainder))));
+    const float joined = float_of((static_cast<std::uint32_t>(model) << 16) +
+                                  static_cast<std::uint32_t>(static_cast<std::int32_t>(static_cast<std::int16_t>(remainder))));
+    return finite32(joined) || !bf16_finite(model) ? joined : bf16_value(model);
   }
   HALFSTEP_HD static bool encode(float p, bool /*with_model: always*/, std::uint16_t& stored, std::uint16_t& model) {
     if (!finite32(p)) return false;

@@ -152,10 +152,15 @@ void store_moment(MomentFormat format, void* buffer, std::int64_t i, std::uint32
   }
 }
 
-// A master's value as stored: fp32, or the bf16 model copy and its int16 remainder.
+// A master's value as stored: fp32, or the bf16 model copy and its int16 remainder. A pair a step
+// never stores whose join is not a number (±0 written over a negative remainder) is the model
+// copy's value; a model copy that is not finite stays so.
 double master_value(const StepConfig& config, const ParamTensor& p, std::int64_t i) {
   if (config.state.master == MasterFormat::bf16_remainder) {
-    return float_of_bits(join_master(static_cast<const std::uint16_t*>(p.model)[i], static_cast<const std::int16_t*>(p.master)[i]));
+    const std::uint16_t model = static_cast<const std::uint16_t*>(p.model)[i];
+    const float joined = float_of_bits(join_master(model, static_cast<const std::int16_t*>(p.master)[i]));
+    const double own = from_bits16(DType::bf16, model);
+    return std::isfinite(joined) || !std::isfinite(own) ? static_cast<double>(joined) : own;
   }
   return static_cast<const float*>(p.master)[i];
 }

@@ -87,6 +87,9 @@ void set_slot_pointer(ParamTensor& t, Slot slot, void* pointer) {
 }
 
 StateBytes state_bytes(const StepConfig& config, bool model_copy) {
+  detail::require(model_copy || config.state.master != MasterFormat::bf16_remainder,
+                  "state_bytes: with StepConfig.state.master = bf16_remainder every tensor has a model copy (the "
+                  "master is the bf16 model copy and an int16 remainder); model_copy must be true");
   StateBytes b{0, 0, 0, 0};
   for (const SlotLayout& s : slot_layouts(config)) {
     if (s.slot == Slot::model && !model_copy) continue;

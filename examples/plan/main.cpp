@@ -282,8 +282,8 @@ int main(int argc, char** argv) {
   }
   std::printf("  (activations, the forward and backward passes' buffers and the framework's own are not counted)\n");
   std::printf("\n  one applied step moves %zu bytes per parameter (pass 1 reads the gradients; pass 2 reads them,\n"
-              "  reads and writes the masters and moments, writes the model copy)\n",
-              held.moved);
+              "  reads and writes the masters and moments, %s the model copy)\n",
+              held.moved, master == "bf16_remainder" ? "reads and writes" : "writes");
   if (formats) {
     // Every state format of these gradients and model copy, the same accounting.
     std::printf("\n  %-34s %9s %9s  %s\n", "state format (master, moments)", "held B/p", "moved B/p",

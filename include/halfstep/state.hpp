@@ -95,7 +95,8 @@ struct StateBytes {
 };
 
 /// The bytes per element of a step with `config`, for tensors with a model copy (`model_copy`)
-/// or without (fp32 parameters that are their own masters).
+/// or without (fp32 parameters that are their own masters). Throws halfstep::Error for tensors
+/// without one under MasterFormat::bf16_remainder (the model copy is half of the master).
 HALFSTEP_API StateBytes state_bytes(const StepConfig& config, bool model_copy = true);
 
 /// The fp32 master `bits` as a bf16 model copy and an int16 remainder (MasterFormat::

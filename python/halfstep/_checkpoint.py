@@ -162,6 +162,10 @@ class Checked:
         self.blob = bytes(blob)
         scaler = hs.get("scaler")
         self.scaler = dict(scaler) if isinstance(scaler, dict) else None
+        # The seed of stochastic rounding's bits (halfstep >= 0.5; the library's state carries it too).
+        fmt = hs.get("state_format")
+        seed = fmt.get("seed") if isinstance(fmt, dict) else None
+        self.seed = seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 64 else None
         self._check_state(opt, state_dict.get("state", {}), old="shapes" in hs)
 
     def _check_state(self, opt, state, old):

@@ -10,6 +10,7 @@ between a slot as it is stored and as a user or a checkpoint sees it. Only the l
 """
 
 import collections as _collections
+import operator as _operator
 
 import torch
 
@@ -60,10 +61,21 @@ def choose(param_dtype, store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype,
         moments[name] = MOMENT_DTYPES[dtype]
     if rounding not in ("stochastic", "nearest"):
         raise ValueError("rounding must be 'stochastic' or 'nearest', got %r" % (rounding,))
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+    seed = _integer(seed)
+    if seed is None or not 0 <= seed < 2 ** 64:
         raise ValueError("seed must be an integer in [0, 2^64), got %r" % (seed,))
     return Formats("bf16_remainder" if store_param_remainders else "f32", moments["exp_avg_dtype"],
-                   moments["exp_avg_sq_dtype"], rounding, int(seed))
+                   moments["exp_avg_sq_dtype"], rounding, seed)
+
+
+def _integer(x):
+    """x as a Python int if it is an integer (numpy's and torch's integer scalars too), else None."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return _operator.index(x)
+    except TypeError:
+        return None
 
 
 # -- masters as a bfloat16 parameter and an int16 remainder ----------------------------------------------
@@ -97,9 +109,13 @@ def split(master):
 
 
 def join(model, remainder):
-    """The fp32 masters a bfloat16 parameter and its int16 remainders hold."""
+    """The fp32 masters a bfloat16 parameter and its int16 remainders hold, as the step reads them:
+    a pair no step stores whose join is not a number (±0 written over a negative remainder, the sum
+    wrapping past the sign) is the parameter's own value."""
     high = (model.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) << 16
-    return _from_bits((high + remainder.to(torch.int64)) & 0xFFFFFFFF).view(model.shape)
+    joined = _from_bits((high + remainder.to(torch.int64)) & 0xFFFFFFFF).view(model.shape)
+    own = model.float()
+    return torch.where(torch.isfinite(joined) | ~torch.isfinite(own), joined, own)
 
 
 def kept_remainders(model, remainder):

@@ -89,6 +89,9 @@ class _ParamState(dict):
     def copy(self):
         return dict(self.items())
 
+    def __reduce__(self):  # copy.deepcopy, pickle: a plain dict of the values as shown
+        return dict, (), None, None, iter(self.items())
+
     def __repr__(self):
         return repr(dict(self.items()))
 
@@ -146,6 +149,9 @@ class _StateMap(_collections.defaultdict):
     """opt.state: an entry per parameter (_ParamState), and whatever non-parameter keys a user
     adds (kept by state_dict, as torch.optim keeps them). Clearing it resets every parameter's
     moments and restarts the bias corrections, as an emptied torch.optim state does."""
+
+    def __reduce__(self):  # copy.deepcopy, pickle: a detached defaultdict(dict) of the entries as shown
+        return _collections.defaultdict, (dict,), None, None, iter(self.items())
 
     def __init__(self, opt=None):
         super().__init__(dict)
@@ -526,7 +532,10 @@ class FusedAdamW(torch.optim.Optimizer):
         self._grad_addresses = [0] * len(self._layout.table)  # no gradient until step() sees one
         self._grads_key = 0
         if not hasattr(self, "_copies"):
-            self._copies = []  # (parameter index, slot, weak reference, version) of rebuilt slots handed out
+            # Rebuilt slots handed out: [parameter index, slot, tensor or weak reference, version].
+            # Held strongly until the next step checks them (a temporary written in place, as in
+            # opt.state[p]["master"].mul_(0), is caught too), weakly after.
+            self._copies = []
 
     def _library_snapshot(self):
         """What load_state_dict restores if it cannot finish: the library optimizer and its state."""
@@ -796,9 +805,12 @@ class FusedAdamW(torch.optim.Optimizer):
                 name, view.numel(), tuple(view.shape), value if not isinstance(value, torch.Tensor) else
                 "a tensor of shape %s" % (tuple(value.shape),)))
         value = _dtensor.local(value) if _dtensor.is_dtensor(value) else value
+        if not bool(torch.isfinite(value.detach()).all()):
+            raise ValueError("opt.state[p][%r]: the values must be finite" % name)
         value = value.detach().to(view.device, view.dtype).reshape(view.shape)
         if not bool(torch.isfinite(value).all()):
-            raise ValueError("opt.state[p][%r]: the values must be finite" % name)
+            raise ValueError("opt.state[p][%r]: values past %s's range, the dtype this optimizer keeps it in"
+                             % (name, str(view.dtype)[6:]))
         if name == "exp_avg_sq" and bool((value < 0).any()):
             raise ValueError("opt.state[p]['exp_avg_sq']: the values must be >= 0")
         if name == "master" and not bool(torch.isfinite(value.to(self._dtype)).all()):
@@ -814,15 +826,25 @@ class FusedAdamW(torch.optim.Optimizer):
         with self._lock, torch.no_grad():
             self._take_pending_weights()
             t = self._layout.shown(i, name)
-            self._copies = [c for c in self._copies if c[2]() is not None]
-            self._copies.append((i, name, _weakref.ref(t), t._version))
+            self._copies.append([i, name, t, t._version])
             return t
 
+    @staticmethod
+    def _copy_of(entry):
+        held = entry[2]
+        return held if isinstance(held, torch.Tensor) else held()
+
     def _refuse_written_copies(self):
-        written = [(i, name) for i, name, ref, version in self._copies if ref() is not None and ref()._version != version]
+        """Raises, before anything changes, if a rebuilt slot handed out was written in place (the
+        write would be lost); the copies are held weakly from here on."""
+        kept, written = [], []
+        for entry in self._copies:
+            t = self._copy_of(entry)
+            if t is not None:
+                (written if t._version != entry[3] else kept).append((entry, t))
+        self._copies = [[entry[0], entry[1], _weakref.ref(t), entry[3]] for entry, t in kept]
         if written:
-            i, name = written[0]
-            self._copies = [c for c in self._copies if (c[0], c[1]) not in written]
+            i, name = written[0][0][0], written[0][0][1]
             raise RuntimeError("opt.state[p][%r] of parameter %d was written in place, but it is a copy: with "
                                "store_param_remainders=True the master is the bfloat16 parameter and an int16 "
                                "remainder, rebuilt in fp32 when read. Assign it instead (opt.state[p][%r] = t); "
@@ -1224,6 +1246,9 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _after_load(self, checked):
         """The bookkeeping of a load that succeeded."""
+        if checked.seed is not None:  # the run's seed (the library restored it): rebuilds keep it
+            self._formats = self._formats._replace(seed=checked.seed)
+            self._cfg.seed = checked.seed
         self._versions = self._current_versions()  # our own writes
         self._unstepped = False  # the masters are the checkpoint's, not the rounded parameters
         self._step_copy.copy_(self._live_steps)

@@ -259,3 +259,91 @@ def test_fsdp2_lean_checkpoint_saved_on_n_ranks_loads_on_m_in_every_format(fsdp_
                 assert [without(x, "held_elements", "first_nonfinite_rank") for x in got["next"]] == \
                     [without(x, "held_elements", "first_nonfinite_rank") for x in source["next"]]
                 assert same(got["params"], source["next_params"])
+
+
+def test_zeros_written_through_data_with_remainders_are_the_masters():
+    # Found by an outside review: +0 or -0 written over a negative remainder (p.data.zero_(), a
+    # pruning mask through .data) joined to a NaN master, and those elements were held for good.
+    params, opt, _ = run(3, store_param_remainders=True)
+    with torch.no_grad():
+        params[0].data.zero_()
+    masters = state_of(opt, params, "master")
+    # Each written zero's master rounds to it: 0 where the remainder was negative, else the old low
+    # half kept (a subnormal below 2^-133, within half a bf16 ulp of the zero written).
+    assert bool(torch.isfinite(masters[0]).all()) and bool((masters[0].abs() < 2.0 ** -133).all())
+    assert torch.equal(masters[0].to(BF16), params[0].detach())
+    assert bool((masters[0] == 0).any())
+    _, _, reports = run(2, params, opt, start=3)
+    assert all(r["held_elements"] == 0 for r in reports)
+    assert all(bool(torch.isfinite(m).all()) for m in state_of(opt, params, "master"))
+
+
+def test_a_temporary_master_copy_written_in_place_is_refused():
+    # Found by an outside review: the check held a weak reference only, so a copy that was a
+    # temporary (opt.state[p]["master"].mul_(0)) was freed before the step could see the write.
+    params, opt, _ = run(2, store_param_remainders=True)
+    before = [p.detach().clone() for p in params]
+    opt.state[params[0]]["master"].mul_(0)
+    with pytest.raises(RuntimeError, match="written in place, but it is a copy"):
+        run(1, params, opt, start=2)
+    assert same([p.detach() for p in params], before)
+    kept = opt.state[params[1]]["master"]  # a copy kept across a step, written after it
+    run(1, params, opt, start=2)
+    kept[0] = 5.0
+    with pytest.raises(RuntimeError, match="written in place, but it is a copy"):
+        run(1, params, opt, start=3)
+
+
+def test_the_loaded_seed_survives_a_rebuild_and_is_saved_again():
+    # Found by an outside review: add_param_group after a load rebuilt the library with the seed the
+    # optimizer was built with, and state_dict() recorded that one.
+    params, opt, _ = run(4, seed=1234, **LEAN)
+    sd = opt.state_dict()
+    extra = torch.nn.Parameter(torch.zeros(6, dtype=BF16))
+    opt.add_param_group(dict(params=[extra], lr=1e-3))
+    fresh = fresh_params(W.SHAPES, BF16, seed=8)
+    other = W.make(fresh, None, None, seed=99, **LEAN)
+    other.load_state_dict(sd)
+    assert halfstep_entry(other.state_dict())["state_format"]["seed"] == 1234
+    extra2 = torch.nn.Parameter(torch.zeros(6, dtype=BF16))
+    other.add_param_group(dict(params=[extra2], lr=1e-3))
+    for k in range(4, 8):
+        gen = torch.Generator().manual_seed(50 + k)
+        grads = scaled_grads(W.SHAPES + [(6,)], BF16, 1.0, gen, 3e-2)[1]
+        for p, g in zip(params + [extra], grads):
+            p.grad = g.clone()
+        for p, g in zip(fresh + [extra2], grads):
+            p.grad = g.clone()
+        opt.step()
+        other.step()
+    assert same(fresh + [extra2], params + [extra])
+    assert same(state_of(other, fresh, "exp_avg_sq"), state_of(opt, params, "exp_avg_sq"))
+
+
+def test_small_refusals_say_what_is_wrong():
+    import copy
+    import pickle
+    import halfstep
+    params, opt, _ = run(1, **LEAN)
+    with pytest.raises(ValueError, match="past bfloat16's range"):
+        opt.state[params[0]]["exp_avg"] = torch.full(params[0].shape, 3.4e38)
+    with pytest.raises(ValueError, match="must be finite"):
+        opt.state[params[0]]["exp_avg"] = torch.full(params[0].shape, float("inf"))
+    assert FusedAdamW(params, seed=torch.tensor(5).item()).state_dict()["param_groups"][0]["halfstep"][
+        "state_format"]["seed"] == 5
+    try:
+        import numpy
+        assert halfstep_entry(FusedAdamW(params, seed=numpy.uint64(2 ** 64 - 1)).state_dict())["state_format"][
+            "seed"] == 2 ** 64 - 1
+    except ImportError:
+        pass
+    cfg = halfstep.config(dtype="bfloat16", master="bf16_remainder", exp_avg="bf16", exp_avg_sq="bf16")
+    assert halfstep.state_bytes(cfg) == dict(state=6, gradient=2, model=2, moved=20)
+    with pytest.raises(halfstep.HalfstepError, match="model copy"):
+        halfstep.state_bytes(cfg, model_copy=False)
+    with pytest.raises(halfstep.HalfstepError, match="bf16_remainder needs a bf16 model copy"):
+        halfstep.state_bytes(halfstep.config(dtype="float16", master="bf16_remainder"))
+    # opt.state copies and pickles as plain dicts of what it shows (the masters rebuilt).
+    for copied in (copy.deepcopy(opt.state), pickle.loads(pickle.dumps(opt.state))):
+        entry = copied[next(k for k in copied if isinstance(k, torch.Tensor) and k.shape == params[0].shape)]
+        assert entry["master"].dtype == torch.float32 and entry["exp_avg"].dtype == BF16

@@ -340,3 +340,40 @@ TEST_CASE("stochastic rounding resumes bit for bit: the checkpoint carries the s
     }
   }
 }
+
+TEST_CASE("a model copy written outside the step over its remainder is read as a number", "[state][reference]") {
+  // ±0 written over a negative remainder (a weight zeroed in place) joins to a bit pattern past
+  // the sign: not a number. The kernels' codec and the reference both read the model copy's own
+  // value there; a step then holds nothing, and writes finite masters.
+  using Codec = detail::MasterCodec<MasterFormat::bf16_remainder, DType::bf16>;
+  const auto minus = static_cast<std::uint16_t>(static_cast<std::int16_t>(-5));
+  CHECK(detail::bits_of(Codec::decode(minus, 0x0000u)) == 0x00000000u);
+  CHECK(detail::bits_of(Codec::decode(minus, 0x8000u)) == 0x80000000u);
+  CHECK(detail::bits_of(Codec::decode(5, 0x0000u)) == 5u);                 // a valid pair: the join
+  CHECK(detail::bits_of(Codec::decode(minus, 0x3F80u)) == 0x3F7FFFFBu);    // the join, below 1
+  CHECK(std::isnan(Codec::decode(0, 0x7FC0u)));                            // a NaN written stays NaN
+  StateFormat lean;
+  lean.master = MasterFormat::bf16_remainder;
+  const ShardedCase c = ShardedCase::make(2400, DType::bf16, 12, 300, lean);
+  FlatBuffers flat = c.initial;
+  FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
+  for (std::size_t s = 0; s < 6; ++s) {
+    flat.grad = c.grads[s];
+    opt.step();
+  }
+  std::size_t zeroed = 0;
+  for (std::size_t i = 0; i < flat.model.size(); ++i) {
+    if (static_cast<std::int16_t>(flat.remainder[i]) < 0 && i % 2 == 0) {
+      flat.model[i] = i % 4 == 0 ? 0x0000u : 0x8000u;
+      ++zeroed;
+    }
+  }
+  REQUIRE(zeroed > 20);
+  for (std::size_t s = 6; s < c.grads.size(); ++s) {
+    flat.grad = c.grads[s];
+    opt.step();
+    CHECK(opt.last_report().held_elements == 0);
+  }
+  const FlatBuffers wide = flat.as_f32();
+  for (float m : wide.master) REQUIRE(std::isfinite(m));
+}
