@@ -53,6 +53,12 @@ StepConfig config_from(Input& in) {
     g.decoupled_weight_decay = in.flag();
     g.bias_correction = in.flag();
   }
+  // The state formats, codes past the enums included (validation refuses them by name).
+  c.state.master = static_cast<MasterFormat>(in.take<std::uint8_t>() % 3);
+  c.state.exp_avg = static_cast<MomentFormat>(in.take<std::uint8_t>() % 3);
+  c.state.exp_avg_sq = static_cast<MomentFormat>(in.take<std::uint8_t>() % 3);
+  c.state.rounding = static_cast<Rounding>(in.take<std::uint8_t>() % 3);
+  c.state.seed = in.take<std::uint64_t>();
   return c;
 }
 
@@ -109,7 +115,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   if (!config_ok) return 0;
 
-  // Real buffers: up to four small tensors, contents from the input, three reference steps.
+  // Real buffers: up to four small tensors, contents from the input, three reference steps, the
+  // state in fp32 (the buffers' format; the lean formats have their own tests).
+  StepConfig run = c;
+  run.state.master = MasterFormat::f32;
+  run.state.exp_avg = run.state.exp_avg_sq = MomentFormat::f32;
   halfstep_fuzz::Model model(c.grad_dtype);
   const std::size_t n_tensors = 1 + in.take<std::uint8_t>() % 4;
   for (std::size_t t = 0; t < n_tensors; ++t) {
@@ -118,7 +128,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (float& x : model.m[t]) x = in.take<float>();
     for (float& x : model.v[t]) x = in.take<float>();
   }
-  OptimizerState state = OptimizerState::initial(c);
+  OptimizerState state = OptimizerState::initial(run);
   for (int k = 0; k < 3; ++k) {
     for (std::size_t t = 0; t < model.grad.size(); ++t) {
       for (std::size_t i = 0; i < model.master[t].size(); ++i) {
@@ -128,7 +138,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const halfstep_fuzz::Model before = model;
     StepReport r{};
     try {
-      r = reference::step(model.views(), c, state);
+      r = reference::step(model.views(), run, state);
     } catch (const Error& e) {
       violated("a step with a valid config and valid buffers threw");
     }
