@@ -159,7 +159,7 @@ std::string bad_value(const Part& p, const Values& v, DType model_dtype) {
 // Copies `n` elements of `bytes` each out of one of opt's buffers.
 std::vector<char> copy_out(FusedAdamW& opt, const void* buffer, std::size_t n, std::size_t bytes) {
   std::vector<char> out(n * bytes);
-  detail::FusedAccess::impl(opt).copy_out(out.data(), buffer, out.size());
+  if (!out.empty()) detail::FusedAccess::impl(opt).copy_out(out.data(), buffer, out.size());
   return out;
 }
 
@@ -203,7 +203,7 @@ Values read_part(FusedAdamW& opt, const Part& p) {
     case Role::model: {
       const std::vector<char> raw = copy_out(opt, t.model, n, 2);
       v.bits.resize(n);
-      std::memcpy(v.bits.data(), raw.data(), raw.size());
+      std::copy_n(raw.data(), raw.size(), reinterpret_cast<char*>(v.bits.data()));
       break;
     }
   }
@@ -227,7 +227,7 @@ std::string file_bytes(const FusedAdamW& opt, const Part& p, const Values& v) {
   std::string out;
   if (p.role == Role::model) {
     out.resize(2 * v.bits.size());
-    std::memcpy(out.data(), v.bits.data(), out.size());
+    std::copy_n(reinterpret_cast<const char*>(v.bits.data()), out.size(), out.data());
     return out;
   }
   const bool bf16 = std::strcmp(stored_dtype(opt, p), "BF16") == 0;
@@ -418,7 +418,7 @@ void decode_part(const Part& p, const std::string& dtype, const std::vector<char
   const auto n = static_cast<std::size_t>(p.numel);
   if (p.role == Role::model) {
     v.bits.resize(n);
-    std::memcpy(v.bits.data(), raw.data(), 2 * n);
+    std::copy_n(raw.data(), 2 * n, reinterpret_cast<char*>(v.bits.data()));
     return;
   }
   v.f.resize(n);
