@@ -10,22 +10,23 @@ Runs, the same seed (weights, batches) unless noted:
 - halfstep.torch.FusedAdamW on the model in bfloat16 (parameters, activations, gradients), one run
   per state format: fp32 masters and moments (the default), remainders (store_param_remainders),
   bf16 moments rounded stochastically and to nearest, and all lean (remainders + bf16 moments,
-  stochastic).
+  stochastic); fp32 and all lean again on seeds 1 and 2, to tell a cost from noise.
 
 Each run records the training loss every step and the loss on held-out files at the end (the same
 batches for every run). Writes RESULTS_DIR/lean_lm.json; with matplotlib, the curves in
 RESULTS_DIR/lean_lm.png (--plot-only redraws them from the JSON).
 
-usage: bench/lean_lm.py [--steps 300] [--out DIR] [--runs NAME,...] [--plot-only]
+usage: bench/lean_lm.py [--steps 300] [--out DIR] [--runs NAME,...] [--resume] [--plot-only]
 """
 
-import argparse
 import glob
 import json
 import os
 import sys
 import sysconfig
 import time
+
+import benchlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONTEXT, BATCH, LR, WD, CLIP = 128, 16, 2e-3, 0.1, 1.0
@@ -114,16 +115,15 @@ def runs(torch):
         "halfstep lean (remainders + bf16 moments)": {"kind": "halfstep", "options": dict(
             store_param_remainders=True, exp_avg_dtype=bf16, exp_avg_sq_dtype=bf16)},
     })
+    for s in (1, 2):  # the same pair on other seeds: is lean state's difference a cost or noise?
+        out["halfstep fp32 master + moments, seed %d" % s] = {"kind": "halfstep", "seed": s}
+        out["halfstep lean, seed %d" % s] = dict(out["halfstep lean (remainders + bf16 moments)"], seed=s)
     return out
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (rerun with --plot-only where it is)")
+    plt = benchlib.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, r in results["runs"].items():
@@ -144,21 +144,16 @@ def plot(results, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--runs", help="only these runs (comma-separated names)")
-    ap.add_argument("--plot-only", action="store_true")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    json_path, png_path = os.path.join(args.out, "lean_lm.json"), os.path.join(args.out, "lean_lm.png")
-    if args.plot_only:
-        with open(json_path) as f:
-            plot(json.load(f), png_path)
+    def extra(ap):
+        ap.add_argument("--runs", help="only these runs (comma-separated names)")
+        ap.add_argument("--resume", action="store_true", help="keep the runs already in the JSON file; train the rest")
+    args = benchlib.arguments(__doc__, "lean_lm", 300, extra)
+    json_path = args.json
+    if benchlib.redraw(args, plot):
         return
     import torch
     sys.path.insert(0, os.path.join(HERE, "..", "python"))
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     train_data, held_data = corpus()
     wanted = runs(torch)
     if args.runs:
@@ -166,21 +161,38 @@ def main():
     results = {"steps": args.steps, "config": CONFIG, "batch": BATCH, "context": CONTEXT, "lr": LR,
                "weight_decay": WD, "clip": CLIP, "torch": torch.__version__, "corpus_bytes": len(train_data),
                "runs": {}}
+    if args.resume and os.path.exists(json_path):
+        with open(json_path) as f:
+            saved = json.load(f)
+        same = all(saved.get(k) == results[k] for k in ("steps", "batch", "context", "lr", "weight_decay", "clip",
+                                                        "corpus_bytes"))
+        if not same:
+            sys.exit("--resume: %s was written with other settings; remove it or drop --resume" % json_path)
+        results = saved
+    weights_dir = os.path.join(args.out, "lean_lm_weights")
+    os.makedirs(weights_dir, exist_ok=True)
     for name, spec in wanted.items():
-        results["runs"][name] = train(torch, name, spec, args.steps, train_data, held_data)
-    weights = {k: r.pop("weights") for k, r in results["runs"].items() if "weights" in r}
-    base = weights.get("halfstep fp32 master + moments")
-    if base is not None and "halfstep remainders" in weights:
-        results["remainders_bitwise_like_fp32_masters"] = all(
-            torch.equal(a, b) for a, b in zip(base, weights["halfstep remainders"]))
+        if name in results["runs"]:
+            print("%-32s kept from %s" % (name, json_path))
+            continue
+        result = train(torch, name, spec, args.steps, train_data, held_data)
+        if "weights" in result:
+            torch.save(result.pop("weights"), os.path.join(weights_dir, name.replace(" ", "_") + ".pt"))
+        results["runs"][name] = result
+        with open(json_path, "w") as f:  # after every run, so that a killed run loses only itself
+            json.dump(results, f, indent=1)
+
+    def weights_of(name):
+        path = os.path.join(weights_dir, name.replace(" ", "_") + ".pt")
+        return torch.load(path) if os.path.exists(path) else None
+    base, rem = weights_of("halfstep fp32 master + moments"), weights_of("halfstep remainders")
+    if base is not None and rem is not None:
+        results["remainders_bitwise_like_fp32_masters"] = all(torch.equal(a, b) for a, b in zip(base, rem))
         print("remainders bitwise like fp32 masters:", results["remainders_bitwise_like_fp32_masters"])
     seeds = [r["held_out"] for k, r in results["runs"].items() if k.startswith("torch fp32 AdamW")]
     if len(seeds) > 1:
         results["seed_spread"] = max(seeds) - min(seeds)
-    with open(json_path, "w") as f:
-        json.dump(results, f, indent=1)
-    print("wrote", json_path)
-    plot(results, png_path)
+    benchlib.save(results, args, plot)
 
 
 if __name__ == "__main__":

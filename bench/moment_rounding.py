@@ -9,19 +9,23 @@ For each run: exp_avg_sq's tracking error |v_bf16 / v_fp32 - 1| (median and 99th
 the elements, at the end and averaged over the last half of the run), exp_avg's relative to its
 RMS, and the update m / sqrt(v) it leads to. Writes a JSON file and a plot.
 
-usage: bench/moment_rounding.py [--steps 10000] [--numel 4096] [--out DIR]
+usage: bench/moment_rounding.py [--steps 10000] [--numel 4096] [--out DIR] [--plot-only]
 """
 
-import argparse
-import json
 import os
 import sys
 
 import torch
 
+import benchlib
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 from halfstep.torch import FusedAdamW  # noqa: E402
+
+
+
+KINDS = ("stationary", "drifting up", "drifting down", "switching down")
 
 
 def sigma(kind, t, steps):
@@ -69,16 +73,13 @@ def errors(low, wide):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=10000)
-    ap.add_argument("--numel", type=int, default=4096)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    args = benchlib.arguments(__doc__, "moment_rounding", 10000,
+                              lambda ap: ap.add_argument("--numel", type=int, default=4096))
+    if benchlib.redraw(args, plot):
+        return
     torch.set_num_threads(1)
-    kinds = ("stationary", "drifting up", "drifting down", "switching down")
     results, curves = {}, {}
-    for kind in kinds:
+    for kind in KINDS:
         wide = run(kind, torch.float32, "nearest", args.steps, args.numel, 7)
         for rounding in ("nearest", "stochastic"):
             curve, summary = errors(run(kind, torch.bfloat16, rounding, args.steps, args.numel, 7), wide)
@@ -87,20 +88,18 @@ def main():
             print("%-15s %-10s  v: median %.4f  p99 %.4f  ratio %.3f  late mean %.4f | m rms %.4f | update median "
                   "%.4f" % (kind, rounding, summary["v_median"], summary["v_p99"], summary["v_ratio_median"],
                             summary["v_median_late_mean"], summary["m_rms"], summary["update_median"]), flush=True)
-    with open(os.path.join(args.out, "moment_rounding.json"), "w") as f:
-        json.dump({"steps": args.steps, "numel": args.numel, "beta2": 0.999, "summary": results, "curves": curves}, f,
-                  indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    benchlib.save({"steps": args.steps, "numel": args.numel, "beta2": 0.999, "summary": results, "curves": curves},
+                  args, plot)
+
+
+def plot(results, path):
+    plt = benchlib.pyplot()
+    if plt is None:
         return
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.4), sharey=True)
-    for ax, kind in zip(axes, kinds):
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(4 * len(KINDS), 3.4), sharey=True)
+    for ax, kind in zip(axes, KINDS):
         for rounding, style in (("nearest", "-"), ("stochastic", "--")):
-            c = curves["%s / %s" % (kind, rounding)]
+            c = results["curves"]["%s / %s" % (kind, rounding)]
             ax.plot(c["t"], c["v_median"], style, label="bf16 %s" % rounding)
         ax.set_title(kind)
         ax.set_yscale("log")
@@ -108,11 +107,10 @@ def main():
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("median |v_bf16 / v_fp32 - 1|")
     axes[0].legend()
-    fig.suptitle("exp_avg_sq in bf16 against fp32 (beta2 = 0.999, %d elements, halfstep's step)" % args.numel)
+    fig.suptitle("exp_avg_sq in bf16 against fp32 (beta2 = 0.999, %d elements, halfstep's step)" % results["numel"])
     fig.tight_layout()
-    path = os.path.join(args.out, "moment_rounding.png")
     fig.savefig(path, dpi=110)
-    print("wrote", path, "and", os.path.join(args.out, "moment_rounding.json"))
+    print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+"""What the accuracy scripts in bench/ share: their command line and matplotlib, when it is there."""
+
+import argparse
+import json
+import os
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def arguments(doc, name, steps, extra=None):
+    """--steps, --out and --plot-only (and what extra(parser) adds); args.json and args.png are
+    the result files NAME.json and NAME.png in --out, which is created."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON file")
+    if extra:
+        extra(ap)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    args.json, args.png = os.path.join(args.out, name + ".json"), os.path.join(args.out, name + ".png")
+    return args
+
+
+def save(results, args, plot):
+    """Writes the results to args.json, then draws them with plot(results, args.png)."""
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    print("wrote", args.json)
+    plot(results, args.png)
+
+
+def redraw(args, plot):
+    """With --plot-only, draws the saved results and says so (True); otherwise False."""
+    if not args.plot_only:
+        return False
+    with open(args.json) as f:
+        plot(json.load(f), args.png)
+    return True
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files, or None (said once) where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (rerun with --plot-only where it is)")
+        return None
