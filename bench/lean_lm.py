@@ -126,6 +126,7 @@ def plot(results, path):
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # a colour per run (the default cycle has 10)
     for name, r in results["runs"].items():
         losses = r["losses"]
         smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
@@ -185,10 +186,15 @@ def main():
     def weights_of(name):
         path = os.path.join(weights_dir, name.replace(" ", "_") + ".pt")
         return torch.load(path) if os.path.exists(path) else None
-    base, rem = weights_of("halfstep fp32 master + moments"), weights_of("halfstep remainders")
-    if base is not None and rem is not None:
-        results["remainders_bitwise_like_fp32_masters"] = all(torch.equal(a, b) for a, b in zip(base, rem))
-        print("remainders bitwise like fp32 masters:", results["remainders_bitwise_like_fp32_masters"])
+    # remainders are exact: with them, a run's weights are bitwise those of the run with fp32 masters
+    for key, masters, remainders in (
+            ("remainders_bitwise_like_fp32_masters", "halfstep fp32 master + moments", "halfstep remainders"),
+            ("lean_bitwise_like_fp32_masters_with_bf16_moments", "halfstep bf16 moments, stochastic",
+             "halfstep lean (remainders + bf16 moments)")):
+        base, rem = weights_of(masters), weights_of(remainders)
+        if base is not None and rem is not None:
+            results[key] = all(torch.equal(a, b) for a, b in zip(base, rem))
+            print(key.replace("_", " ") + ":", results[key])
     seeds = [r["held_out"] for k, r in results["runs"].items() if k.startswith("torch fp32 AdamW")]
     if len(seeds) > 1:
         results["seed_spread"] = max(seeds) - min(seeds)
