@@ -19,12 +19,14 @@ encoded again every step as a fused step would:
 - exp_avg linear and exp_avg_sq dynamic (each moment in the map that suits it best alone), and
   exp_avg_sq stored as the 8-bit codes of its square root (the update divides by sqrt(v)).
 
-For each format: exp_avg_sq's relative error |v/v64 - 1| and exp_avg's error relative to the
-block's RMS (median and 99th percentile over elements and the last half of the steps), the share
-of elements whose exp_avg_sq decodes to 0 while float64's is not (an update of m / eps follows),
-and the error of the update m^ / (sqrt(v^) + eps) against float64's, in units of the update's RMS
-over the tensor. Writes RESULTS_DIR/moment_quantization.json and, with matplotlib, a plot of the
-update error over the steps.
+For each format, over the last half of the steps: exp_avg_sq's relative error |v/v64 - 1| and its
+median ratio v/v64 (a bias), also among the elements four or more decades below their block's
+largest exp_avg_sq; exp_avg's error relative to the RMS of float64's exp_avg over the tensor's
+recorded elements; the share of elements whose exp_avg_sq decodes to 0 while float64's is not (an
+update of m / eps follows); and the error of the update m^ / (sqrt(v^) + eps) against float64's, in
+units of the RMS of float64's update over the tensor's recorded elements. Writes
+RESULTS_DIR/moment_quantization.json (with --synthetic, moment_quantization_synthetic.json: see
+synthetic()) and, with matplotlib, a plot of the update errors.
 
 usage: bench/moment_quantization.py [--steps 300] [--out DIR] [--capture FILE] [--synthetic] [--plot-only]
 """
@@ -44,9 +46,10 @@ BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
 # The maps: 256 sorted values in [-1, 1] (signed) or [0, 1] (unsigned), as a code decodes them.
 
 def dynamic_map(signed):
-    """Seven decades 10^-6 .. 10^0; within decade k (k = 0 the lowest) magnitudes at the midpoints
-    of a linear grid over [0.1, 1] of 2^k (signed) or 2^(k+1) (unsigned) cells; plus 0 and 1:
-    2 + 2 * 127 values signed, 2 + 254 unsigned."""
+    """Seven decades: within decade k (k = 0 the lowest, [1e-7, 1e-6]) magnitudes at the midpoints of
+    a linear grid over [0.1, 1] * 10^(k-6) of 2^k (signed) or 2^(k+1) (unsigned) cells, so from
+    about 5.5e-7 up; plus 0 and 1: 2 + 2 * 127 values signed, 2 + 254 unsigned. The signed map has
+    +1 and no -1: a block whose absmax is negative stores it as -0.993 (as bitsandbytes' map does)."""
     values = {0.0, 1.0}
     for k in range(7):
         cells = 2 ** k if signed else 2 ** (k + 1)
@@ -166,20 +169,23 @@ def capture(torch, steps):
 def synthetic(torch, steps):
     """Gradients without the model (no transformers needed; for a quick check of the script):
     Student-t noise (3 degrees of freedom: heavy tails, as real gradients have) whose scale differs
-    by up to 100x between blocks and drifts down 10x over the run."""
+    by up to 100x between blocks and 1000x between the elements of a block (so exp_avg_sq spans six
+    decades inside a block), drifting down 10x over the run. Long runs of it show what 300 steps of
+    the model cannot: a bias that builds up over 1 / (1 - beta2) steps."""
     gen = torch.Generator().manual_seed(3)
+    torch.manual_seed(1234)  # StudentT draws from the global generator: a stream replay()'s rounding does not use
     tensors = []
     for name, kind, n in (("weight", "large", BLOCKS_PER_TENSOR * BLOCK), ("bias", "small", 300)):
         block_scale = 10.0 ** (-2 * torch.rand(((n + BLOCK - 1) // BLOCK,), generator=gen))
-        scale = block_scale.repeat_interleave(BLOCK)[:n] * 1e-3
-        t = torch.distributions.StudentT(3.0).sample((steps, n))  # the global generator, seeded here
+        scale = block_scale.repeat_interleave(BLOCK)[:n] * 1e-3 * 10.0 ** (-3 * torch.rand((n,), generator=gen))
+        t = torch.distributions.StudentT(3.0).sample((steps, n))
         drift = 0.1 ** (torch.arange(steps, dtype=torch.float32) / steps)
         tensors.append({"name": name, "size": kind, "numel": n, "shape": [n],
                         "grads": t * scale * drift[:, None]})
     return {"steps": steps, "tensors": tensors}
 
 
-def replay(torch, tensors, fmt, seed=0):
+def replay(torch, tensors, fmt, seed=20261202):  # a seed no data source uses
     """The errors of one format over every captured tensor; for 'small' tensors the blocks are the
     tensor's own consecutive 256 elements (the last one shorter, padded with zeros). fmt: one format
     for both moments, or "exp_avg's format | exp_avg_sq's format"."""
@@ -188,7 +194,7 @@ def replay(torch, tensors, fmt, seed=0):
     out = {}
     for size in ("large", "small"):
         group = [t for t in tensors if t["size"] == size]
-        series = {"v_rel": [], "m_rel": [], "update": [], "v_zero": []}
+        series = {"v_rel": [], "m_rel": [], "update": [], "v_zero": [], "v_ratio": [], "v_ratio_low": []}
         per_step = []
         for t in group:
             g = t["grads"].float()
@@ -221,14 +227,20 @@ def replay(torch, tensors, fmt, seed=0):
                 rms_m = m64[live].pow(2).mean().sqrt()
                 err_u = ((u - u64).abs() / rms_u)[live]
                 series["update"].append(err_u)
-                series["v_rel"].append((v.value.double() / v64 - 1).abs()[live])
+                ratio = v.value.double() / v64
+                series["v_rel"].append((ratio - 1).abs()[live])
+                series["v_ratio"].append(ratio[live])  # its median: a bias, which |v/v64 - 1| hides
+                low = live & (v64 < 1e-4 * v64.amax(dim=1, keepdim=True))  # 4+ decades below the block's largest
+                series["v_ratio_low"].append(ratio[low])
                 series["m_rel"].append(((m.value.double() - m64).abs() / rms_m)[live])
                 series["v_zero"].append(((v.value == 0) & live).sum().item() / max(1, live.sum().item()))
                 if t is group[0]:
                     per_step.append(float(err_u.median()))
-        cat = {k: torch.cat(series[k]).float() for k in ("v_rel", "m_rel", "update")}
+        cat = {k: torch.cat(series[k]).float() for k in ("v_rel", "m_rel", "update", "v_ratio", "v_ratio_low")}
 
         def q(x, p):  # quantile of a large tensor (torch.quantile is limited to 16M elements)
+            if x.numel() == 0:
+                return float("nan")
             x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))[:1 << 22]]
             return float(x.quantile(p))
         out[size] = {"elements": int(sum(t["grads"].shape[1] for t in group)),
@@ -236,6 +248,8 @@ def replay(torch, tensors, fmt, seed=0):
                      "m_rel_median": q(cat["m_rel"], 0.5), "m_rel_p99": q(cat["m_rel"], 0.99),
                      "update_median": q(cat["update"], 0.5), "update_p99": q(cat["update"], 0.99),
                      "update_max": float(cat["update"].max()),
+                     "v_ratio_median": q(cat["v_ratio"], 0.5), "v_ratio_low_median": q(cat["v_ratio_low"], 0.5),
+                     "v_low_share": cat["v_ratio_low"].numel() / max(1, cat["v_ratio"].numel()),
                      "v_zero_share": sum(series["v_zero"]) / len(series["v_zero"]),
                      "first_tensor_update_median_by_step": per_step}
     return out
@@ -284,24 +298,26 @@ def main():
     torch.manual_seed(0)
     if args.synthetic:
         captured = synthetic(torch, args.steps)
+        args.json, args.png = (path.replace("moment_quantization.", "moment_quantization_synthetic.")
+                               for path in (args.json, args.png))
     elif args.capture and os.path.exists(args.capture):
         captured = torch.load(args.capture)
     else:
         captured = capture(torch, args.steps)
         if args.capture:
             torch.save(captured, args.capture)
-    results = {"steps": captured["steps"], "block": BLOCK, "min_8bit_numel": MIN_8BIT, "torch": torch.__version__,
+    results = {"steps": captured["steps"], "gradients": "synthetic" if args.synthetic else "model", "block": BLOCK, "min_8bit_numel": MIN_8BIT, "torch": torch.__version__,
                "maps": {k: {"signed": MAPS[k](True), "unsigned": MAPS[k](False)} for k in MAPS}, "formats": {}}
-    print("%-40s %-6s %10s %10s %10s %10s %10s %10s %9s" % ("format", "tensors", "v med", "v p99", "m med", "m p99",
-                                                           "upd med", "upd p99", "v->0"))
+    print("%-40s %-6s %9s %9s %9s %9s %9s %9s %8s %9s %9s" % (
+        "format", "tensors", "v med", "v p99", "m med", "m p99", "upd med", "upd p99", "v->0", "v/v64", "low v/v64"))
     for fmt in FORMATS:
         r = replay(torch, captured["tensors"], fmt)
         results["formats"][fmt] = r
         for size in ("large", "small"):
             e = r[size]
-            print("%-40s %-6s %10.2e %10.2e %10.2e %10.2e %10.2e %10.2e %8.4f%%" % (
+            print("%-40s %-6s %9.2e %9.2e %9.2e %9.2e %9.2e %9.2e %7.3f%% %9.3f %9.3f" % (
                 fmt, size, e["v_rel_median"], e["v_rel_p99"], e["m_rel_median"], e["m_rel_p99"], e["update_median"],
-                e["update_p99"], 100 * e["v_zero_share"]), flush=True)
+                e["update_p99"], 100 * e["v_zero_share"], e["v_ratio_median"], e["v_ratio_low_median"]), flush=True)
     benchlib.save(results, args, plot)
 
 
