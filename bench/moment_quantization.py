@@ -16,8 +16,9 @@ encoded again every step as a fused step would:
   (E4M3 has no unsigned form: half its codes are unused for exp_avg_sq); each rounded to the
   nearest code and stochastically;
 - bf16 moments (halfstep's "Lean state I"), both roundings, as the point of comparison;
-- exp_avg linear and exp_avg_sq dynamic (each moment in the map that suits it best alone), and
-  exp_avg_sq stored as the 8-bit codes of its square root (the update divides by sqrt(v)).
+- exp_avg linear and exp_avg_sq dynamic (each moment in the map that suits it best alone),
+  exp_avg_sq stored as the 8-bit codes of its square root (the update divides by sqrt(v)), and
+  exp_avg dynamic with exp_avg_sq's square root dynamic.
 
 For each format, over the last half of the steps: exp_avg_sq's relative error |v/v64 - 1| and its
 median ratio v/v64 (a bias), also among the elements four or more decades below their block's
@@ -259,7 +260,8 @@ FORMATS = ["fp32"] + ["%s, %s" % (k, r) for k in ("bf16", "dynamic", "linear", "
                       for r in ("nearest", "stochastic")] + [
     "linear, nearest | dynamic, stochastic", "linear, stochastic | dynamic, stochastic",
     "linear, nearest | sqrt dynamic, stochastic", "linear, nearest | sqrt linear, stochastic",
-    "linear, nearest | sqrt linear, nearest"]
+    "linear, nearest | sqrt linear, nearest",
+    "dynamic, nearest | sqrt dynamic, stochastic", "dynamic, stochastic | sqrt dynamic, stochastic"]
 
 
 def plot(results, path):
