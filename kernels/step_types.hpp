@@ -103,7 +103,7 @@ struct GroupParams {
 /// Per-step constants of a group, computed by finalize from the applied-step counter.
 struct GroupConsts {
   float step_size;        // lr / (1 - beta1^t)
-  float sqrt_bc2;         // sqrt(1 - beta2^t)
+  float inv_sqrt_bc2;     // 1 / sqrt(1 - beta2^t)
   float decay;            // 1 - lr·wd for decoupled decay, else 1
   float l2;               // wd for classic L2 decay, else 0
   float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;

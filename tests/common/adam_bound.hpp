@@ -10,7 +10,7 @@
 //   pd = p·fl(1 - lr·wd)                |e_pd| <= 2u|p|
 //   m' = b1·m + fl(1-b1)·g'             |e_m|  <= (1-b1)(|e_g'| + 2u|g'|) + u(b1|m| + |m'|)
 //   v' = b2·v + (fl(1-b2)·g')·g'        |e_v|  <= (1-b2)(2|g'||e_g'| + 3u·g'²) + u(b2·v + v')
-//   D  = sqrt(v')/fl(sqrt(bc2)) + eps   |e_D|  <= (e_sqrt + 3u·sqrt(v'))/sqrt(bc2) + u·D,
+//   D  = sqrt(v')·fl(1/sqrt(bc2)) + eps |e_D|  <= (e_sqrt + 3u·sqrt(v'))/sqrt(bc2) + u·D,
 //        with e_sqrt = min(|e_v| / (2 sqrt(v')), sqrt(|e_v|)), the absolute error of sqrt(v')
 //   r  = m'/D                           |e_r|  <= |e_m|/D + |m'|·|e_D|/D² + u|r|
 //   p' = pd - fl(lr/bc1)·r              |e_p|  <= |e_pd| + (lr/bc1)(|e_r| + 2u|r|) + u|p'|
