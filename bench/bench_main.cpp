@@ -74,7 +74,8 @@ struct Workload {
         state.exp_avg_sq != halfstep::MomentFormat::f32) {
       k += std::string("/") + halfstep::master_format_name(state.master) + "+" +
            halfstep::moment_format_name(state.exp_avg) + "/" + halfstep::moment_format_name(state.exp_avg_sq);
-      if (state.exp_avg == halfstep::MomentFormat::bf16 || state.exp_avg_sq == halfstep::MomentFormat::bf16) {
+      if (state.exp_avg == halfstep::MomentFormat::bf16 || state.exp_avg_sq == halfstep::MomentFormat::bf16 ||
+          state.master == halfstep::MasterFormat::none) {
         k += std::string("/") + halfstep::rounding_name(state.rounding);
       }
     }
@@ -130,7 +131,7 @@ struct Buffers {
     }
     const auto n = static_cast<std::size_t>(total);
     auto bytes = [&](halfstep::Slot s) { return n * slots[static_cast<std::size_t>(s)].element_bytes; };
-    CHECK_CUDA(cudaMalloc(&master, bytes(halfstep::Slot::master)));
+    if (slots[0].present) CHECK_CUDA(cudaMalloc(&master, bytes(halfstep::Slot::master)));  // none: no master
     CHECK_CUDA(cudaMalloc(&m, bytes(halfstep::Slot::exp_avg)));
     CHECK_CUDA(cudaMalloc(&v, bytes(halfstep::Slot::exp_avg_sq)));
     CHECK_CUDA(cudaMalloc(&grad, bytes(halfstep::Slot::grad)));
@@ -140,7 +141,7 @@ struct Buffers {
     if (w.state.master == halfstep::MasterFormat::f32) {
       bench::fill_uniform(static_cast<float*>(master), total, -1.0f, 1.0f, 1, g_stream);
     } else {
-      CHECK_CUDA(cudaMemsetAsync(master, 0, bytes(halfstep::Slot::master), g_stream));
+      if (master != nullptr) CHECK_CUDA(cudaMemsetAsync(master, 0, bytes(halfstep::Slot::master), g_stream));
       bench::fill_grads(model, DType::bf16, total, 0.5f, 1, g_stream);
     }
     if (w.state.exp_avg == halfstep::MomentFormat::f32) {
@@ -173,7 +174,7 @@ struct Buffers {
                                                  : s.slot == halfstep::Slot::exp_avg_sq ? v
                                                  : s.slot == halfstep::Slot::grad       ? grad
                                                                                         : model);
-        halfstep::set_slot_pointer(p, s.slot, base + static_cast<std::size_t>(offset[t]) * s.element_bytes);
+        halfstep::set_slot_pointer(p, s.slot, s.present ? base + static_cast<std::size_t>(offset[t]) * s.element_bytes : nullptr);
       }
       p.numel = w.sizes[t];
       out.push_back(p);
@@ -349,7 +350,8 @@ void register_all() {
              {halfstep::MasterFormat::f32, halfstep::MomentFormat::bf16, halfstep::Rounding::stochastic},
              {halfstep::MasterFormat::f32, halfstep::MomentFormat::bf16, halfstep::Rounding::nearest},
              {halfstep::MasterFormat::bf16_remainder, halfstep::MomentFormat::f32, halfstep::Rounding::stochastic},
-             {halfstep::MasterFormat::bf16_remainder, halfstep::MomentFormat::bf16, halfstep::Rounding::stochastic}}) {
+             {halfstep::MasterFormat::bf16_remainder, halfstep::MomentFormat::bf16, halfstep::Rounding::stochastic},
+             {halfstep::MasterFormat::none, halfstep::MomentFormat::bf16, halfstep::Rounding::stochastic}}) {
       Workload w = single(1 << 26, "2^26", DType::bf16, true);
       w.state.master = master;
       w.state.exp_avg = w.state.exp_avg_sq = moments;

@@ -73,7 +73,8 @@ run_tagged() {  # NAME TAG LOG
   esac
 }
 # The state formats: every format against the reference, remainders bitwise like fp32 masters,
-# lean state over NCCL ranks where there are 2+ GPUs.
+# no master as the fp32-master step rounded with the weight's own bits, lean state over NCCL ranks
+# where there are 2+ GPUs.
 run_tagged "state formats ([state])" "[state]" state_tests.log
 # The NCCL tests: one rank (eager and captured), and 2+ ranks where there are 2+ GPUs.
 run_tagged "NCCL tests ([nccl])" "[nccl]" nccl_tests.log

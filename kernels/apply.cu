@@ -1,6 +1,6 @@
 // Pass 2 of the step: unscale, clip and AdamW in fp32 from fp16, bf16 or fp32 gradients, on the
-// masters and moments in their state formats (fp32; remainders with the bf16 model copy; bf16
-// moments, rounded to nearest or stochastically), and the model copy in its 16-bit format. Every block reads finalize's decision
+// masters and moments in their state formats (fp32; remainders with the bf16 model copy; no
+// master, the bf16 model copy rounded to nearest or stochastically; bf16 moments, likewise), and the model copy in its 16-bit format. Every block reads finalize's decision
 // first and returns at once on a skipped step, so a skipped step writes nothing anywhere. An element whose new master, moments
 // or model copy would not be finite (which finalize cannot see: it depends on the stored values)
 // keeps its old values and is counted in the report's held_elements, so no step ever writes a
@@ -94,25 +94,35 @@ struct Formats {
   using Master = MasterCodec<kMaster, kModel>;
   using M = MomentCodec<kM>;
   using V = MomentCodec<kV>;
-  // Stochastic rounding draws its bits only where a moment is narrower than fp32.
-  static constexpr bool kNarrow = kM != MomentFormat::f32 || kV != MomentFormat::f32;
+  // Stochastic rounding draws its bits only where a moment is narrower than fp32 or the weight is
+  // rounded (no master).
+  static constexpr bool kNarrow = kM != MomentFormat::f32 || kV != MomentFormat::f32 || Master::kRounds;
 };
 
+// The random bits of element `index` for stochastic rounding: the moments' (bf16 moments round
+// with its halves) and the weight's (no master: weight_bits of the same draw).
+template <class F, bool kDraw>
+__device__ inline void draw(std::uint64_t key, std::int64_t index, std::uint32_t& moments, std::uint32_t& w) {
+  moments = kDraw ? element_bits(key, index) : 0u;
+  w = kDraw && F::Master::kRounds ? weight_bits(moments) : 0u;
+}
+
 // One element: decoded, updated by AdamW in fp32, encoded back in place (bf16 moments rounded
-// stochastically with `random`'s halves when kDraw, else to nearest); an element whose encoded
-// values would not all be finite keeps its old ones. Returns whether it was kept.
+// stochastically with `random`'s halves when kDraw, else to nearest; without a master the weight
+// with `random_w`); an element whose encoded values would not all be finite keeps its old ones.
+// Returns whether it was kept.
 template <class F, bool kDraw>
 __device__ inline bool update_element(typename F::Master::Stored& ps, std::uint16_t& model, typename F::M::Stored& ms,
                                       typename F::V::Stored& vs, float g, bool with_model, std::uint32_t random,
-                                      const GroupConsts& k) {
+                                      std::uint32_t random_w, const GroupConsts& k) {
   float p = F::Master::decode(ps, model), m = F::M::decode(ms), v = F::V::decode(vs);
   adamw_update(p, m, v, g, k);
   typename F::Master::Stored ps_new{};
   typename F::M::Stored ms_new{};
   typename F::V::Stored vs_new{};
   std::uint16_t model_new = 0;
-  const bool ok = F::Master::encode(p, with_model, ps_new, model_new) & F::M::encode(m, kDraw, random, ms_new) &
-                  F::V::encode(v, kDraw, random >> 16, vs_new);
+  const bool ok = F::Master::encode(p, with_model, kDraw, random_w, ps_new, model_new) &
+                  F::M::encode(m, kDraw, random, ms_new) & F::V::encode(v, kDraw, random >> 16, vs_new);
   if (!ok) return true;
   ps = ps_new;
   ms = ms_new;
@@ -132,7 +142,7 @@ __device__ inline unsigned apply_chunk(const TensorDesc& tensor, const ChunkDesc
   constexpr int kW = kWidth<kGrad>;
   const void* grad = kGrad == DType::f32 ? static_cast<const void*>(static_cast<const float*>(tensor.grad) + chunk.begin)
                                           : static_cast<const void*>(static_cast<const std::uint16_t*>(tensor.grad) + chunk.begin);
-  PS* master = static_cast<PS*>(tensor.master) + chunk.begin;
+  PS* master = F::Master::kStored ? static_cast<PS*>(tensor.master) + chunk.begin : nullptr;  // none: no buffer
   MS* exp_avg = static_cast<MS*>(tensor.exp_avg) + chunk.begin;
   VS* exp_avg_sq = static_cast<VS*>(tensor.exp_avg_sq) + chunk.begin;
   auto* model = tensor.model ? static_cast<std::uint16_t*>(tensor.model) + chunk.begin : nullptr;
@@ -149,23 +159,24 @@ __device__ inline unsigned apply_chunk(const TensorDesc& tensor, const ChunkDesc
       const std::int64_t at = static_cast<std::int64_t>(i) * kW;
       GradVector<kGrad> g;
       g.load(grad, at);
-      PS p[kW];
+      PS p[kW] = {};
       MS m[kW];
       VS v[kW];
-      std::uint16_t out[kW];  // the model copy: read with remainders, else written from the master
-      load_vec(master + at, p);
+      std::uint16_t out[kW];  // the model copy: read with remainders and without a master, else written from the master
+      if constexpr (F::Master::kStored) load_vec(master + at, p);
       load_vec(exp_avg + at, m);
       load_vec(exp_avg_sq + at, v);
       if (F::Master::kReadsModel) load_vec(model + at, out);
       unsigned kept = 0;  // bit j: element j keeps its old values
 #pragma unroll
       for (int j = 0; j < kW; ++j) {
-        const std::uint32_t random = kDraw ? element_bits(key, first + at + j) : 0u;
-        if (update_element<F, kDraw>(p[j], out[j], m[j], v[j], unscale(g[j], d), with_model, random, k)) {
+        std::uint32_t random, random_w;
+        draw<F, kDraw>(key, first + at + j, random, random_w);
+        if (update_element<F, kDraw>(p[j], out[j], m[j], v[j], unscale(g[j], d), with_model, random, random_w, k)) {
           kept |= 1u << j;
         }
       }
-      store_vec(master + at, p);
+      if constexpr (F::Master::kStored) store_vec(master + at, p);
       store_vec(exp_avg + at, m);
       store_vec(exp_avg_sq + at, v);
       if (with_model) {
@@ -184,16 +195,18 @@ __device__ inline unsigned apply_chunk(const TensorDesc& tensor, const ChunkDesc
     done = n_vec * kW;
   }
   for (int i = done + static_cast<int>(threadIdx.x); i < chunk.len; i += kPassThreads) {
-    PS p = master[i];
+    PS p{};
+    if constexpr (F::Master::kStored) p = master[i];
     MS m = exp_avg[i];
     VS v = exp_avg_sq[i];
     std::uint16_t out = F::Master::kReadsModel ? model[i] : 0;
-    const std::uint32_t random = kDraw ? element_bits(key, first + i) : 0u;
-    if (update_element<F, kDraw>(p, out, m, v, unscale(load_grad<kGrad>(grad, i), d), with_model, random, k)) {
+    std::uint32_t random, random_w;
+    draw<F, kDraw>(key, first + i, random, random_w);
+    if (update_element<F, kDraw>(p, out, m, v, unscale(load_grad<kGrad>(grad, i), d), with_model, random, random_w, k)) {
       ++held;
       continue;
     }
-    master[i] = p;
+    if constexpr (F::Master::kStored) master[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     if (with_model) model[i] = out;
@@ -216,7 +229,7 @@ __global__ void __launch_bounds__(kPassThreads, 4)
   const GroupConsts k = consts[tensor.group];
   if (tensor.grad == nullptr) return;  // no gradient for this tensor in this step: left alone
   unsigned held;
-  if constexpr (F::kNarrow) {  // stochastic rounding draws bits only where a moment is narrower than fp32
+  if constexpr (F::kNarrow) {  // stochastic rounding draws bits only where a format rounds with them
     held = stochastic != 0 ? apply_chunk<kGrad, F, true>(tensor, chunk, d, k) : apply_chunk<kGrad, F, false>(tensor, chunk, d, k);
   } else {
     held = apply_chunk<kGrad, F, false>(tensor, chunk, d, k);
@@ -225,7 +238,7 @@ __global__ void __launch_bounds__(kPassThreads, 4)
 }
 
 // The instantiations the API offers: every gradient format with either model format, fp32 masters
-// or (with a bf16 model copy) remainders, and each moment in fp32 or bf16.
+// or (with a bf16 model copy) remainders or no master, and each moment in fp32 or bf16.
 template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
 void launch_one(dim3 grid, const ApplyArgs& a, unsigned long long* held, cudaStream_t stream) {
   const int stochastic = a.state.rounding == Rounding::stochastic ? 1 : 0;
@@ -254,6 +267,8 @@ void launch_for_grad(const ApplyArgs& a, dim3 grid, unsigned long long* held, cu
   if (a.model_dtype == DType::bf16) {
     if (a.state.master == MasterFormat::bf16_remainder) {
       launch_moments<kGrad, DType::bf16, MasterFormat::bf16_remainder>(a.state, grid, a, held, stream);
+    } else if (a.state.master == MasterFormat::none) {
+      launch_moments<kGrad, DType::bf16, MasterFormat::none>(a.state, grid, a, held, stream);
     } else {
       launch_moments<kGrad, DType::bf16, MasterFormat::f32>(a.state, grid, a, held, stream);
     }

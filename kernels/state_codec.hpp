@@ -12,8 +12,11 @@
 //   step key    k_s = mix64(seed ^ mix64(step))
 //   tensor key  k_t = mix64(k_s + tensor_id · 0x9E3779B97F4A7C15)
 //   element     r   = fmix32(lo32(index) ^ lo32(k_t) ^ (hi32(index) + hi32(k_t)) · 0x9E3779B9)
-// exp_avg rounds with bits 0-15 of r, exp_avg_sq with bits 16-31 (docs/design.md states it, and
-// the reference backend computes it on its own).
+// exp_avg rounds with bits 0-15 of r, exp_avg_sq with bits 16-31. Without a master the weight
+// rounds with bits 0-15 of w = (r · 0x9E3779B9) ^ (r >> 16): three instructions instead of a second
+// hash. Its low half is a bijection of r's low half xor r's high half, so given either half of r
+// alone it is uniform: each of the three roundings is unbiased, and any two are independent
+// (docs/design.md states it, and the reference backend computes it on its own).
 #pragma once
 
 #include <cuda_fp16.h>  // __float2half_rn: binary16 rounding, on the host and the device alike
@@ -63,6 +66,8 @@ HALFSTEP_HD inline std::uint32_t fmix32(std::uint32_t h) {
   h *= 0xC2B2AE35u;
   return h ^ (h >> 16);
 }
+/// The weight's random bits (MasterFormat::none) from an element's bits `r` (its low 16 count).
+HALFSTEP_HD inline std::uint32_t weight_bits(std::uint32_t r) { return (r * 0x9E3779B9u) ^ (r >> 16); }
 /// The random bits of element `index` of a tensor (its index in the whole tensor).
 HALFSTEP_HD inline std::uint32_t element_bits(std::uint64_t tensor, std::int64_t index) {
   const auto i = static_cast<std::uint64_t>(index);
@@ -144,10 +149,13 @@ struct MasterCodec;
 template <DType kModel>
 struct MasterCodec<MasterFormat::f32, kModel> {
   using Stored = float;
+  static constexpr bool kStored = true;      // a master buffer
   static constexpr bool kReadsModel = false;
+  static constexpr bool kRounds = false;     // never rounded stochastically
   HALFSTEP_HD static float decode(float stored, std::uint16_t /*model*/) { return stored; }
   /// The stored master and model copy of the new master `p`, and whether both are finite.
-  HALFSTEP_HD static bool encode(float p, bool with_model, float& stored, std::uint16_t& model) {
+  HALFSTEP_HD static bool encode(float p, bool with_model, bool /*stochastic*/, std::uint32_t /*random*/, float& stored,
+                                 std::uint16_t& model) {
     if (!finite32(p)) return false;
     if (kModel == DType::bf16 && with_model) p = canonical_master(p);
     stored = p;
@@ -161,7 +169,9 @@ struct MasterCodec<MasterFormat::f32, kModel> {
 template <>
 struct MasterCodec<MasterFormat::bf16_remainder, DType::bf16> {
   using Stored = std::uint16_t;  // the remainder's two's-complement bits
+  static constexpr bool kStored = true;
   static constexpr bool kReadsModel = true;
+  static constexpr bool kRounds = false;
   /// The master; a pair a step never stores whose join is not a number (the model copy written
   /// as ±0 over a negative remainder, outside the step: the sum wraps past the sign) is the model
   /// copy's own value. A model copy that is inf or NaN stays so (the update is then held).
@@ -170,11 +180,29 @@ struct MasterCodec<MasterFormat::bf16_remainder, DType::bf16> {
                                   static_cast<std::uint32_t>(static_cast<std::int32_t>(static_cast<std::int16_t>(remainder))));
     return finite32(joined) || !bf16_finite(model) ? joined : bf16_value(model);
   }
-  HALFSTEP_HD static bool encode(float p, bool /*with_model: always*/, std::uint16_t& stored, std::uint16_t& model) {
+  HALFSTEP_HD static bool encode(float p, bool /*with_model: always*/, bool /*stochastic*/, std::uint32_t /*random*/,
+                                 std::uint16_t& stored, std::uint16_t& model) {
     if (!finite32(p)) return false;
     const std::uint32_t b = bits_of(canonical_master(p));
     model = bf16_nearest(float_of(b));
     stored = static_cast<std::uint16_t>(b - (static_cast<std::uint32_t>(model) << 16));
+    return bf16_finite(model);
+  }
+};
+
+/// No master: the bf16 model copy is the weight. The fp32 result is written to it with the
+/// state's rounding (stochastic: `random` holds 16 uniform bits of the weight's own draw).
+template <>
+struct MasterCodec<MasterFormat::none, DType::bf16> {
+  using Stored = std::uint16_t;  // nothing is stored: a placeholder no access reads or writes
+  static constexpr bool kStored = false;
+  static constexpr bool kReadsModel = true;
+  static constexpr bool kRounds = true;
+  HALFSTEP_HD static float decode(std::uint16_t /*stored*/, std::uint16_t model) { return bf16_value(model); }
+  HALFSTEP_HD static bool encode(float p, bool /*with_model: always*/, bool stochastic, std::uint32_t random,
+                                 std::uint16_t& /*stored*/, std::uint16_t& model) {
+    if (!finite32(p)) return false;
+    model = stochastic ? bf16_stochastic(p, random) : bf16_nearest(p);
     return bf16_finite(model);
   }
 };

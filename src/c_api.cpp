@@ -103,8 +103,10 @@ halfstep::StepConfig step_config(const halfstep_group* groups, int32_t n_groups,
   s.spike.z_threshold = c.spike_z_threshold;
   s.spike.ema_beta = c.spike_ema_beta;
   s.spike.min_std = c.spike_min_std;
-  require(c.master_format == HALFSTEP_MASTER_F32 || c.master_format == HALFSTEP_MASTER_BF16_REMAINDER,
-          "halfstep_config.master_format must be HALFSTEP_MASTER_F32 or HALFSTEP_MASTER_BF16_REMAINDER");
+  require(c.master_format == HALFSTEP_MASTER_F32 || c.master_format == HALFSTEP_MASTER_BF16_REMAINDER ||
+              c.master_format == HALFSTEP_MASTER_NONE,
+          "halfstep_config.master_format must be HALFSTEP_MASTER_F32, HALFSTEP_MASTER_BF16_REMAINDER or "
+          "HALFSTEP_MASTER_NONE");
   for (const int32_t f : {c.exp_avg_format, c.exp_avg_sq_format}) {
     require(f == HALFSTEP_MOMENT_F32 || f == HALFSTEP_MOMENT_BF16,
             "halfstep_config.exp_avg_format and exp_avg_sq_format must be HALFSTEP_MOMENT_F32 or HALFSTEP_MOMENT_BF16");

@@ -84,7 +84,7 @@ struct AsCode {
   static constexpr const char* rule = " is not a known code, got ";
 };
 template <>
-struct Wire<MasterFormat> : AsCode<MasterFormat, 2> {};
+struct Wire<MasterFormat> : AsCode<MasterFormat, 3> {};
 template <>
 struct Wire<MomentFormat> : AsCode<MomentFormat, 2> {};
 template <>

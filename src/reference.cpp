@@ -126,6 +126,12 @@ std::uint32_t random_bits(std::uint64_t seed, std::int64_t step, std::uint32_t t
                                0x9E3779B9u);
   return murmur_finalizer(mixed);
 }
+// The weight's random bits of an element without a master: the element's bits r multiplied by
+// 0x9E3779B9 (mod 2^32), xor r's upper half.
+std::uint32_t weight_random_bits(std::uint64_t seed, std::int64_t step, std::uint32_t tensor_id, std::int64_t index) {
+  const std::uint32_t r = random_bits(seed, step, tensor_id, index);
+  return static_cast<std::uint32_t>(std::uint64_t{r} * 0x9E3779B9u) ^ (r >> 16);
+}
 
 // A moment's value as stored.
 double moment_value(MomentFormat format, const void* buffer, std::int64_t i) {
@@ -156,6 +162,7 @@ void store_moment(MomentFormat format, void* buffer, std::int64_t i, std::uint32
 // never stores whose join is not a number (±0 written over a negative remainder) is the model
 // copy's value; a model copy that is not finite stays so.
 double master_value(const StepConfig& config, const ParamTensor& p, std::int64_t i) {
+  if (config.state.master == MasterFormat::none) return from_bits16(DType::bf16, static_cast<const std::uint16_t*>(p.model)[i]);
   if (config.state.master == MasterFormat::bf16_remainder) {
     const std::uint16_t model = static_cast<const std::uint16_t*>(p.model)[i];
     const float joined = float_of_bits(join_master(model, static_cast<const std::int16_t*>(p.master)[i]));
@@ -177,7 +184,8 @@ std::int64_t apply_tensor(const ParamTensor& p, std::size_t index, const StepCon
   const double bc1 = h.bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(steps_of_group(h, t))) : 1.0;
   const double bc2 = h.bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(steps_of_group(h, t))) : 1.0;
   const bool remainder = f.master == MasterFormat::bf16_remainder;
-  const bool canonical = p.model != nullptr && config.model_dtype == DType::bf16;
+  const bool no_master = f.master == MasterFormat::none;
+  const bool canonical = p.model != nullptr && config.model_dtype == DType::bf16 && !no_master;
   const std::uint32_t id = p.tensor_id != 0 ? p.tensor_id : static_cast<std::uint32_t>(index + 1);
   std::int64_t held = 0;
   for (std::int64_t i = 0; i < p.numel; ++i) {
@@ -199,8 +207,12 @@ std::int64_t apply_tensor(const ParamTensor& p, std::size_t index, const StepCon
                   encode_moment(f.exp_avg_sq, f.rounding, static_cast<float>(v), random >> 16,
                                 v_bits);
     if (finite && canonical) new_w = float_of_bits(canonical_master(bits_of_float(new_w)));
-    // The model copy is the stored fp32 master, rounded once; with remainders, half of it.
-    const std::uint16_t model = finite && p.model != nullptr ? to_bits16(config.model_dtype, new_w) : 0;
+    // The model copy is the stored fp32 master, rounded once; with remainders, half of it; without
+    // a master, the fp32 result with the state's rounding.
+    std::uint16_t model = finite && p.model != nullptr ? to_bits16(config.model_dtype, new_w) : 0;
+    if (finite && no_master && f.rounding == Rounding::stochastic) {
+      model = static_cast<std::uint16_t>((bits_of_float(new_w) + (weight_random_bits(f.seed, t, id, p.offset + i) & 0xFFFFu)) >> 16);
+    }
     std::uint16_t split_model = 0;
     std::int16_t split_rest = 0;
     if (finite && p.model != nullptr) finite = finite_bits16(config.model_dtype, model);
@@ -211,7 +223,7 @@ std::int64_t apply_tensor(const ParamTensor& p, std::size_t index, const StepCon
     }
     if (remainder) {
       static_cast<std::int16_t*>(p.master)[i] = split_rest;
-    } else {
+    } else if (!no_master) {
       static_cast<float*>(p.master)[i] = new_w;
     }
     store_moment(f.exp_avg, p.exp_avg, i, m_bits);

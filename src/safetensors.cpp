@@ -38,8 +38,9 @@ using Json = nlohmann::ordered_json;
 enum class Role { master, exp_avg, exp_avg_sq, model };
 
 // One stored tensor: a part (master, moment or model copy) of one of the optimizer's tensors. In
-// the file a master is always its fp32 values (with remainders: rebuilt from the model copy), a
-// moment its stored format's, a model copy its format's.
+// the file a master is always its fp32 values (with remainders: rebuilt from the model copy;
+// without a master: the bf16 model copy's values), a moment its stored format's, a model copy its
+// format's.
 struct Part {
   std::string name;
   Role role;
@@ -184,7 +185,9 @@ Values read_part(FusedAdamW& opt, const Part& p) {
   };
   switch (p.role) {
     case Role::master:
-      if (f.master == MasterFormat::bf16_remainder) {
+      if (f.master == MasterFormat::none) {  // the bf16 model copy is the weight
+        floats(t.model, true);
+      } else if (f.master == MasterFormat::bf16_remainder) {
         const std::vector<char> rest = copy_out(opt, t.master, n, 2), model = copy_out(opt, t.model, n, 2);
         v.f.resize(n);
         for (std::size_t i = 0; i < n; ++i) {
@@ -450,6 +453,7 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
   const StepConfig& config = opt.config();
   const DType model_dtype = config.model_dtype;
   const bool remainder = config.state.master == MasterFormat::bf16_remainder;
+  const bool no_master = config.state.master == MasterFormat::none;
   const std::uint64_t data_start = 8 + h.header_bytes;
   std::vector<Values> values(parts.size());
   std::vector<bool> present(parts.size(), false);
@@ -504,7 +508,7 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
     const ParamTensor& t = opt.tensors()[p.tensor];
     const auto n = static_cast<std::size_t>(p.numel);
     if (p.role == Role::model) {
-      if (remainder) continue;  // written with the master
+      if (remainder || no_master) continue;  // written with the master
       std::vector<std::uint16_t> bits = values[k].bits;
       if (!present[k]) {
         const std::vector<float>& master = values[master_of[p.tensor]].f;
@@ -523,6 +527,12 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
         require(ok, "load_checkpoint: master ", i, " of tensor '", p.name, "' does not split");  // canonical, finite: it does
       }
       backend.copy_in(t.master, rest.data(), 2 * n);
+      backend.copy_in(t.model, model.data(), 2 * n);
+      continue;
+    }
+    if (p.role == Role::master && no_master) {  // the weight: an fp32 master rounds once, to nearest even
+      std::vector<std::uint16_t> model(n);
+      for (std::size_t i = 0; i < n; ++i) model[i] = to_bf16_bits(static_cast<double>(x[i]));
       backend.copy_in(t.model, model.data(), 2 * n);
       continue;
     }

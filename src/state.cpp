@@ -10,6 +10,7 @@ const char* master_format_name(MasterFormat format) {
   switch (format) {
     case MasterFormat::f32: return "f32";
     case MasterFormat::bf16_remainder: return "bf16_remainder";
+    case MasterFormat::none: return "none";
   }
   return "unknown";
 }
@@ -49,20 +50,24 @@ Storage storage_of(MomentFormat format) { return format == MomentFormat::bf16 ? 
 std::size_t bytes_of(Storage storage) { return storage == Storage::f32 ? 4 : 2; }
 
 SlotLayout make(Slot slot, const char* name, Storage storage, bool state, bool read, bool written, bool nullable) {
-  return SlotLayout{slot, name, storage, bytes_of(storage), state, read, written, nullable};
+  return SlotLayout{slot, name, storage, bytes_of(storage), state, read, written, nullable, true};
 }
 
 }  // namespace
 
 std::array<SlotLayout, kSlotCount> slot_layouts(const StepConfig& c) {
   const bool remainder = c.state.master == MasterFormat::bf16_remainder;
-  return {make(Slot::master, "master", remainder ? Storage::i16 : Storage::f32, true, true, true, false),
+  const bool none = c.state.master == MasterFormat::none;
+  SlotLayout master = make(Slot::master, "master", remainder ? Storage::i16 : Storage::f32, true, true, true, false);
+  if (none) master = SlotLayout{Slot::master, "master", Storage::f32, 0, false, false, false, true, false};
+  // The model copy is written from the master; with remainders it is half of the master, without
+  // a master it is the weight: read as well, and every tensor has one.
+  const bool model_read = remainder || none;
+  return {master,
           make(Slot::grad, "grad", storage_of(c.grad_dtype), false, true, false, true),
           make(Slot::exp_avg, "exp_avg", storage_of(c.state.exp_avg), true, true, true, false),
           make(Slot::exp_avg_sq, "exp_avg_sq", storage_of(c.state.exp_avg_sq), true, true, true, false),
-          // The model copy is written from the master; with remainders it is half of the master,
-          // read as well, and every tensor has one.
-          make(Slot::model, "model", storage_of(c.model_dtype), false, remainder, true, !remainder)};
+          make(Slot::model, "model", storage_of(c.model_dtype), false, model_read, true, !model_read)};
 }
 
 const void* slot_pointer(const ParamTensor& t, Slot slot) {
@@ -87,9 +92,11 @@ void set_slot_pointer(ParamTensor& t, Slot slot, void* pointer) {
 }
 
 StateBytes state_bytes(const StepConfig& config, bool model_copy) {
-  detail::require(model_copy || config.state.master != MasterFormat::bf16_remainder,
-                  "state_bytes: with StepConfig.state.master = bf16_remainder every tensor has a model copy (the "
-                  "master is the bf16 model copy and an int16 remainder); model_copy must be true");
+  detail::require(model_copy || config.state.master == MasterFormat::f32, "state_bytes: with StepConfig.state.master = ",
+                  master_format_name(config.state.master), " every tensor has a model copy (",
+                  config.state.master == MasterFormat::none ? "it is the weight: there is no master"
+                                                            : "the master is the bf16 model copy and an int16 remainder",
+                  "); model_copy must be true");
   StateBytes b{0, 0, 0, 0};
   for (const SlotLayout& s : slot_layouts(config)) {
     if (s.slot == Slot::model && !model_copy) continue;

@@ -59,11 +59,14 @@ void StepConfig::validate() const {
           max_grad_norm);
   scaler.validate();
   spike.validate();
-  require(state.master == MasterFormat::f32 || state.master == MasterFormat::bf16_remainder,
-          "StepConfig.state.master must be f32 or bf16_remainder, got code ", static_cast<int>(state.master));
-  require(state.master != MasterFormat::bf16_remainder || model_dtype == DType::bf16,
-          "StepConfig.state.master = bf16_remainder needs a bf16 model copy (the master is the bf16 model copy and "
-          "an int16 remainder), but StepConfig.model_dtype is ", dtype_name(model_dtype));
+  require(state.master == MasterFormat::f32 || state.master == MasterFormat::bf16_remainder ||
+              state.master == MasterFormat::none,
+          "StepConfig.state.master must be f32, bf16_remainder or none, got code ", static_cast<int>(state.master));
+  require(state.master == MasterFormat::f32 || model_dtype == DType::bf16, "StepConfig.state.master = ",
+          master_format_name(state.master), " needs a bf16 model copy (",
+          state.master == MasterFormat::none ? "the bf16 model copy is the weight"
+                                             : "the master is the bf16 model copy and an int16 remainder",
+          "), but StepConfig.model_dtype is ", dtype_name(model_dtype));
   for (const auto& [name, format] : {std::pair{"exp_avg", state.exp_avg}, std::pair{"exp_avg_sq", state.exp_avg_sq}}) {
     require(format == MomentFormat::f32 || format == MomentFormat::bf16, "StepConfig.state.", name,
             " must be f32 or bf16, got code ", static_cast<int>(format));
@@ -83,6 +86,11 @@ struct Span {
 void check_buffer(std::vector<Span>& spans, std::size_t t, const char* field, const void* ptr,
                   std::int64_t numel, std::size_t elem_bytes, bool may_be_null) {
   if (numel == 0) return;
+  if (elem_bytes == 0) {  // a buffer the state format does not have
+    require(ptr == nullptr, "tensors[", t, "].", field, " must be null: StepConfig.state.master = none has no master ",
+            "(the bf16 model copy is the weight), got ", ptr);
+    return;
+  }
   if (ptr == nullptr) {
     require(may_be_null, "tensors[", t, "].", field, " is null but numel = ", numel, " > 0");
     return;

@@ -21,7 +21,8 @@ counted along its common path: a branch around an out-of-line call (the slow pat
 division and square root, for operands near the ends of fp32's range) is taken, every other
 branch falls through (so the rare path that keeps a held element's model copy is counted). Its
 budget is 6.9 x the bytes pass 2 moves per element: the gradient (2 or 4), the master read and
-written (8; a remainder 4, and the model copy it is half of read, 2), each moment read and written
+written (8; a remainder 4, and the model copy it is half of read, 2; without a master the model
+copy, the weight, read, 2), each moment read and written
 (8, or 4 in bf16), the model copy written (2; none counted for fp32 gradients, whose parameters
 are usually their own masters, which gives the smaller budget). --pass2-within-budget fails
 unless every loop is within its budget. bench/RESULTS.md has the counts.
@@ -110,7 +111,11 @@ ISSUE_RATE = 132 * 128 * 1.98e9  # instructions a second
 BANDWIDTH = 4.8e12                # bytes a second
 GRADS = {"0": ("f16", 2), "1": ("bf16", 2), "2": ("f32", 4)}
 MODELS = {"0": "f16", "1": "bf16"}
-MASTERS = {"0": "f32", "1": "bf16_remainder"}
+MASTERS = {"0": "f32", "1": "bf16_remainder", "2": "none"}
+# What a master costs pass 2 per element besides the model copy's write: an fp32 master read and
+# written; a remainder read and written, and the model copy read; without a master the model copy
+# (the weight) read.
+MASTER_BYTES = {"f32": 8, "bf16_remainder": 4 + 2, "none": 2}
 MOMENTS = {"0": ("f32", 8), "1": ("bf16", 4)}
 
 
@@ -121,9 +126,8 @@ def pass2_format(name):
         return None
     g, model, master, ea, eas = m.groups()
     grad, grad_bytes = GRADS[g]
-    remainder = MASTERS[master] == "bf16_remainder"
-    model_bytes = 2 if grad != "f32" or remainder else 0
-    moved = grad_bytes + (4 + 2 if remainder else 8) + MOMENTS[ea][1] + MOMENTS[eas][1] + model_bytes
+    model_bytes = 2 if grad != "f32" or MASTERS[master] != "f32" else 0
+    moved = grad_bytes + MASTER_BYTES[MASTERS[master]] + MOMENTS[ea][1] + MOMENTS[eas][1] + model_bytes
     return grad, MODELS[model], MASTERS[master], MOMENTS[ea][0], MOMENTS[eas][0], moved
 
 
@@ -174,7 +178,7 @@ def pass2_loops(sass):
             if any(re.search(r"\bST\.E\.(128|64)\b", t) for _, t in body):
                 loops.append(body)
         width = 4 if fmt[0] == "f32" else 8
-        narrow = "bf16" in fmt[3:5]
+        narrow = "bf16" in fmt[3:5] or fmt[2] == "none"  # a rounded moment, or a weight without a master
         if len(loops) != (2 if narrow else 1):
             sys.exit("pass 2, %s: found %d vector loops, expected %d" % (fmt, len(loops), 2 if narrow else 1))
         # The stochastic loop comes first (the kernel's `stochastic ? ... : ...`); it is the longer.

@@ -19,7 +19,8 @@
 namespace {
 
 const char* kDescription = R"(halfstep-plan: prints the device memory of halfstep's per-parameter buffers — the master
-weights (fp32, 4 B; or with a bf16 model copy an int16 remainder, 2 B: --master bf16_remainder),
+weights (fp32, 4 B; or with a bf16 model copy an int16 remainder, 2 B: --master bf16_remainder;
+or none, the bf16 model copy rounded stochastically is the weight: --master none),
 the Adam moments (fp32, 8 B; bf16, 4 B: --moments bf16), the gradients (2 B for f16 and bf16, 4 B
 for f32), the 16-bit model copy (2 B, or none; with f32 gradients the parameters are fp32, the
 masters themselves, so by default there is none) — and the step's workspace, then how many
@@ -152,7 +153,9 @@ halfstep::StepConfig config_of(const std::string& grad, const std::string& model
   halfstep::StepConfig c;
   c.grad_dtype = dtype_of(grad);
   c.model_dtype = model == "bf16" ? halfstep::DType::bf16 : halfstep::DType::f16;
-  c.state.master = master == "bf16_remainder" ? halfstep::MasterFormat::bf16_remainder : halfstep::MasterFormat::f32;
+  c.state.master = master == "bf16_remainder" ? halfstep::MasterFormat::bf16_remainder
+                   : master == "none"         ? halfstep::MasterFormat::none
+                                              : halfstep::MasterFormat::f32;
   c.state.exp_avg = c.state.exp_avg_sq = moments == "bf16" ? halfstep::MomentFormat::bf16 : halfstep::MomentFormat::f32;
   return c;
 }
@@ -184,9 +187,10 @@ int main(int argc, char** argv) {
                  "copy is written)")
       ->check(CLI::IsMember({"f16", "bf16", "none"}));
   app.add_option("--master", master,
-                 "master format: f32 (default), or bf16_remainder (a bf16 model copy and an int16\n"
-                 "remainder rebuild the fp32 master exactly; needs --model bf16)")
-      ->check(CLI::IsMember({"f32", "bf16_remainder"}));
+                 "master format: f32 (default), bf16_remainder (a bf16 model copy and an int16\n"
+                 "remainder rebuild the fp32 master exactly), or none (no master: the bf16 model\n"
+                 "copy is the weight, updated with stochastic rounding); the last two need --model bf16")
+      ->check(CLI::IsMember({"f32", "bf16_remainder", "none"}));
   app.add_option("--moments", moments, "Adam moments' format: f32 (default) or bf16 (both moments)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_flag("--formats", formats, "also print every state format's bytes and the largest model that fits");
@@ -222,16 +226,17 @@ int main(int argc, char** argv) {
   }
 
   if (model.empty()) model = grad == "f32" ? "none" : grad;
-  if (master == "bf16_remainder" && model != "bf16") {
-    return fail("--master bf16_remainder: the master is a bf16 model copy and an int16 remainder; the model copy is " +
-                (model == "none" ? std::string("none") : model) + " (give --model bf16, or --grad bf16)");
+  if (master != "f32" && model != "bf16") {
+    return fail("--master " + master +
+                (master == "none" ? ": the bf16 model copy is the weight" : ": the master is a bf16 model copy and an int16 remainder") +
+                "; the model copy is " + (model == "none" ? std::string("none") : model) + " (give --model bf16, or --grad bf16)");
   }
   const halfstep::StepConfig config = config_of(grad, model, master, moments);
   const halfstep::StateBytes held = halfstep::state_bytes(config, model != "none");
   const double grad_bytes = static_cast<double>(held.gradient);
   const double model_bytes = static_cast<double>(held.model);
   const double state_bytes = static_cast<double>(held.state);
-  const double master_bytes = master == "bf16_remainder" ? 2.0 : 4.0;
+  const double master_bytes = master == "bf16_remainder" ? 2.0 : master == "none" ? 0.0 : 4.0;
   const bool sharded = ranks > 1;
   const RankPlan mine = plan_rank(params, tensors, groups, ranks, grad_bytes, model_bytes, state_bytes);
 
@@ -246,6 +251,8 @@ int main(int argc, char** argv) {
   const std::string share = sharded ? ", sharded" : "", whole = sharded ? ", on every rank" : "";
   if (master == "bf16_remainder") {
     row("int16 master remainders" + share, 2.0L * mine.shard);
+  } else if (master == "none") {
+    row("no master (the model copy is it)", 0.0L);
   } else {
     row(std::string(grad == "f32" && model == "none" && !sharded ? "fp32 masters (the parameters)" : "fp32 master weights") +
             share,
@@ -283,13 +290,13 @@ int main(int argc, char** argv) {
   std::printf("  (activations, the forward and backward passes' buffers and the framework's own are not counted)\n");
   std::printf("\n  one applied step moves %zu bytes per parameter (pass 1 reads the gradients; pass 2 reads them,\n"
               "  reads and writes the masters and moments, %s the model copy)\n",
-              held.moved, master == "bf16_remainder" ? "reads and writes" : "writes");
+              held.moved, master == "f32" ? "writes" : "reads and writes");
   if (formats) {
     // Every state format of these gradients and model copy, the same accounting.
     std::printf("\n  %-34s %9s %9s  %s\n", "state format (master, moments)", "held B/p", "moved B/p",
                 sharded ? "largest model on these GPUs" : "largest model that fits");
-    for (const char* m : {"f32", "bf16_remainder"}) {
-      if (std::string(m) == "bf16_remainder" && model != "bf16") continue;
+    for (const char* m : {"f32", "bf16_remainder", "none"}) {
+      if (std::string(m) != "f32" && model != "bf16") continue;
       for (const char* v : {"f32", "bf16"}) {
         const halfstep::StateBytes b = halfstep::state_bytes(config_of(grad, model, m, v), model != "none");
         const double most = most_that_fit(memory, per_tensor, groups, ranks, static_cast<double>(b.gradient),

@@ -58,17 +58,18 @@ enum {
 
 /** Master formats (halfstep::MasterFormat), moment formats (halfstep::MomentFormat) and roundings
  *  (halfstep::Rounding). */
-enum { HALFSTEP_MASTER_F32 = 0, HALFSTEP_MASTER_BF16_REMAINDER = 1 };
+enum { HALFSTEP_MASTER_F32 = 0, HALFSTEP_MASTER_BF16_REMAINDER = 1, HALFSTEP_MASTER_NONE = 2 };
 enum { HALFSTEP_MOMENT_F32 = 0, HALFSTEP_MOMENT_BF16 = 1 };
 enum { HALFSTEP_ROUND_NEAREST = 0, HALFSTEP_ROUND_STOCHASTIC = 1 };
 
 /** One parameter tensor (halfstep::ParamTensor): each buffer in its format under the config. */
 typedef struct halfstep_tensor {
-  void* master;      /**< fp32 masters, or int16 remainders (HALFSTEP_MASTER_BF16_REMAINDER) */
+  void* master;      /**< fp32 masters, int16 remainders (HALFSTEP_MASTER_BF16_REMAINDER), or NULL
+                         (HALFSTEP_MASTER_NONE: the bf16 model copy is the weight) */
   const void* grad;
   void* exp_avg;     /**< in halfstep_config.exp_avg_format */
   void* exp_avg_sq;  /**< in halfstep_config.exp_avg_sq_format */
-  void* model; /**< may be NULL (not with remainders) */
+  void* model; /**< may be NULL (not with remainders or without a master) */
   int64_t numel;
   int32_t group;
   /** Nonzero: another rank of the reduction holds this tensor too and counts it; it is left out of

@@ -20,6 +20,9 @@ enum class MasterFormat : std::uint8_t {
   bf16_remainder,  ///< no fp32 copy: the bf16 model copy (ParamTensor::model, required) and an
                    ///< int16 remainder (ParamTensor::master) rebuild the fp32 master exactly
                    ///< (split_master / join_master)
+  none,            ///< no master: the bf16 model copy (ParamTensor::model, required) is the weight;
+                   ///< the update is computed in fp32 and written to it with StateFormat::rounding
+                   ///< (ParamTensor::master must be null)
 };
 
 /// How a moment (exp_avg, exp_avg_sq) is stored.
@@ -36,7 +39,7 @@ enum class Rounding : std::uint8_t {
                ///< any number of ranks and across a resume
 };
 
-/// "f32" or "bf16_remainder"; "f32" or "bf16"; "nearest" or "stochastic".
+/// "f32", "bf16_remainder" or "none"; "f32" or "bf16"; "nearest" or "stochastic".
 HALFSTEP_API const char* master_format_name(MasterFormat format);
 HALFSTEP_API const char* moment_format_name(MomentFormat format);
 HALFSTEP_API const char* rounding_name(Rounding rounding);
@@ -46,9 +49,11 @@ struct StateFormat {
   MasterFormat master = MasterFormat::f32;
   MomentFormat exp_avg = MomentFormat::f32;
   MomentFormat exp_avg_sq = MomentFormat::f32;
-  /// How bf16 moments are rounded. Stochastic by default: with beta2 = 0.999, exp_avg_sq moves by
-  /// 0.1% a step, less than half a bf16 ulp (0.2-0.4%), and rounding to nearest freezes it
-  /// (docs/design.md, "Lean state"; measured in bench/RESULTS.md).
+  /// How bf16 moments, and with MasterFormat::none the bf16 weights, are rounded. Stochastic by
+  /// default: with beta2 = 0.999, exp_avg_sq moves by 0.1% a step, less than half a bf16 ulp
+  /// (0.2-0.4%), and rounding to nearest freezes it; an update below half a weight's ulp is lost
+  /// to nearest rounding but kept in expectation by stochastic rounding (docs/design.md, "Lean
+  /// state"; measured in bench/RESULTS.md).
   Rounding rounding = Rounding::stochastic;
   std::uint64_t seed = 0;  ///< key of stochastic rounding's random bits
 };
@@ -73,6 +78,8 @@ struct SlotLayout {
   bool read;                  ///< a step (pass 1 or pass 2 of an applied step) reads it
   bool written;               ///< an applied step writes it
   bool nullable;              ///< may be null: a gradient (none this step), a model copy (none)
+  bool present;               ///< the format has this buffer; an absent one (the master under
+                              ///< MasterFormat::none) has element_bytes 0 and must be null
 };
 
 /// The five buffers of every tensor of a step with `config`, in Slot order.
@@ -96,7 +103,8 @@ struct StateBytes {
 
 /// The bytes per element of a step with `config`, for tensors with a model copy (`model_copy`)
 /// or without (fp32 parameters that are their own masters). Throws halfstep::Error for tensors
-/// without one under MasterFormat::bf16_remainder (the model copy is half of the master).
+/// without one under MasterFormat::bf16_remainder (the model copy is half of the master) or
+/// MasterFormat::none (the model copy is the weight).
 HALFSTEP_API StateBytes state_bytes(const StepConfig& config, bool model_copy = true);
 
 /// The fp32 master `bits` as a bf16 model copy and an int16 remainder (MasterFormat::

@@ -35,12 +35,12 @@ struct HALFSTEP_API AdamWConfig {
 struct ParamTensor {
   void* master = nullptr;       ///< master weights, updated in place: fp32 values, or the int16
                                 ///< remainders that rebuild them with the bf16 model copy
-                                ///< (StepConfig::state.master)
+                                ///< (StepConfig::state.master); null with MasterFormat::none
   const void* grad = nullptr;   ///< scaled gradients in StepConfig::grad_dtype
   void* exp_avg = nullptr;      ///< first moment in StepConfig::state.exp_avg's format
   void* exp_avg_sq = nullptr;   ///< second moment in StepConfig::state.exp_avg_sq's format
   void* model = nullptr;        ///< reduced-precision copy in StepConfig::model_dtype; may be null
-                                ///< (required with MasterFormat::bf16_remainder)
+                                ///< (required with MasterFormat::bf16_remainder and ::none)
   std::int64_t numel = 0;       ///< elements; >= 0 (zero-length tensors are allowed)
   std::int32_t group = 0;       ///< index into StepConfig::groups
   /// Another rank of the reduction holds this tensor too and counts it (a bias or norm weight

@@ -65,6 +65,12 @@ int halfstep_c_api_exercise(const char* dir) {
     CHECK(85, halfstep_state_bytes_of(&lean, 1, &b) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
                   strstr(halfstep_last_error(), "bf16_remainder") != NULL);
     CHECK(86, halfstep_state_bytes_of(NULL, 1, &b) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+    lean.model_dtype = HALFSTEP_BF16; /* no master: the bf16 model copy is the weight */
+    lean.master_format = HALFSTEP_MASTER_NONE;
+    CHECK(102, halfstep_state_bytes_of(&lean, 1, &b) == HALFSTEP_OK && b.state == 4 && b.moved == 16 &&
+                   b.gradient == 2 && b.model == 2);
+    CHECK(103, halfstep_state_bytes_of(&lean, 0, &b) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                   strstr(halfstep_last_error(), "none") != NULL);
   }
 
   /* Two tensors in two groups. */

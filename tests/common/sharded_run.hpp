@@ -20,7 +20,8 @@ namespace halfstep_test {
 
 /// The five buffers of a flat range of the parameter space, on the host, the state in `format`:
 /// fp32 masters and moments in master, exp_avg, exp_avg_sq; a remainder master's int16 bits in
-/// remainder (beside the bf16 model); bf16 moments' bits in exp_avg16, exp_avg_sq16.
+/// remainder (beside the bf16 model); no master (MasterFormat::none): master empty, the bf16 model
+/// is the weight; bf16 moments' bits in exp_avg16, exp_avg_sq16.
 struct FlatBuffers {
   std::vector<float> master, exp_avg, exp_avg_sq;
   std::vector<std::uint16_t> grad, model;
@@ -32,7 +33,9 @@ struct FlatBuffers {
     using halfstep::MasterFormat;
     using halfstep::MomentFormat;
     halfstep::ParamTensor p;
-    p.master = format.master == MasterFormat::f32 ? static_cast<void*>(master.data()) : remainder.data();
+    p.master = format.master == MasterFormat::f32              ? static_cast<void*>(master.data())
+               : format.master == MasterFormat::bf16_remainder ? static_cast<void*>(remainder.data())
+                                                               : nullptr;
     p.grad = grad.data();
     p.exp_avg = format.exp_avg == MomentFormat::f32 ? static_cast<void*>(exp_avg.data()) : exp_avg16.data();
     p.exp_avg_sq = format.exp_avg_sq == MomentFormat::f32 ? static_cast<void*>(exp_avg_sq.data()) : exp_avg_sq16.data();
@@ -71,7 +74,8 @@ struct FlatBuffers {
   }
 
   /// These buffers with their state in `to` (from fp32 state: masters split into a bf16 model and
-  /// remainders, which needs a bf16 model copy; moments rounded to bf16, to nearest even).
+  /// remainders, or dropped for the bf16 model rounded from them, which needs a bf16 model copy;
+  /// moments rounded to bf16, to nearest even).
   FlatBuffers in_format(const halfstep::StateFormat& to) const {
     using halfstep::MasterFormat;
     using halfstep::MomentFormat;
@@ -89,6 +93,10 @@ struct FlatBuffers {
       }
       out.master.clear();
     }
+    if (to.master == MasterFormat::none) {
+      for (std::size_t i = 0; i < n; ++i) out.model[i] = halfstep::to_bits16(halfstep::DType::bf16, out.master[i]);
+      out.master.clear();
+    }
     auto narrow = [n](std::vector<float>& wide, std::vector<std::uint16_t>& bits) {
       bits.resize(n);
       for (std::size_t i = 0; i < n; ++i) bits[i] = halfstep::to_bits16(halfstep::DType::bf16, wide[i]);
@@ -98,7 +106,8 @@ struct FlatBuffers {
     if (to.exp_avg_sq == MomentFormat::bf16) narrow(out.exp_avg_sq, out.exp_avg_sq16);
     return out;
   }
-  /// These buffers with fp32 state (exact: remainders joined, bf16 moments widened).
+  /// These buffers with fp32 state (exact: remainders joined, a master-free weight widened, bf16
+  /// moments widened).
   FlatBuffers as_f32() const {
     using halfstep::MasterFormat;
     using halfstep::MomentFormat;
@@ -111,6 +120,10 @@ struct FlatBuffers {
         std::memcpy(&out.master[i], &b, sizeof b);
       }
       out.remainder.clear();
+    }
+    if (format.master == MasterFormat::none) {
+      out.master.resize(n);
+      for (std::size_t i = 0; i < n; ++i) out.master[i] = static_cast<float>(halfstep::from_bits16(halfstep::DType::bf16, model[i]));
     }
     auto widen = [n](std::vector<std::uint16_t>& bits, std::vector<float>& wide) {
       wide.resize(n);
@@ -213,7 +226,7 @@ struct ShardedCase {
       halfstep::ParamTensor p = t;
       for (const halfstep::SlotLayout& slot : halfstep::slot_layouts(config)) {
         auto* base = static_cast<unsigned char*>(const_cast<void*>(halfstep::slot_pointer(all, slot.slot)));
-        halfstep::set_slot_pointer(p, slot.slot, base + at * static_cast<std::int64_t>(slot.element_bytes));
+        halfstep::set_slot_pointer(p, slot.slot, base != nullptr ? base + at * static_cast<std::int64_t>(slot.element_bytes) : nullptr);
       }
       out.push_back(p);
       at += t.numel;

@@ -36,15 +36,18 @@ inline halfstep::StepConfig config_for(halfstep::DType grad, halfstep::DType mod
 /// rounding (to nearest, or stochastically with the same random bits) moves each value to one of
 /// the two bf16 values around it, so two fp32 values within d of each other land within d plus
 /// one bf16 ulp (at most 2^-7 of the larger magnitude; 2^-133 below bf16's normal range).
+/// The same holds for a weight without a master (MasterFormat::none), rounded to bf16 each step.
+inline double bf16_slack(bool bf16, double a, double b) {
+  return bf16 ? std::max(std::max(std::fabs(a), std::fabs(b)) * 0x1p-7, 0x1p-133) : 0.0;
+}
 inline double bf16_moment_slack(halfstep::MomentFormat format, double a, double b) {
-  if (format != halfstep::MomentFormat::bf16) return 0.0;
-  return std::max(std::max(std::fabs(a), std::fabs(b)) * 0x1p-7, 0x1p-133);
+  return bf16_slack(format == halfstep::MomentFormat::bf16, a, b);
 }
 
 /// Checks one fused step's report and buffers against the reference step taken from the same
 /// inputs: verdicts, counters, scales, the norm and the clip coefficient exactly (both sum the
-/// squares exactly and round once); masters and moments within adam_bound (bf16 moments one bf16
-/// ulp more: bf16_moment_slack); the model copy bitwise equal to the fused step's own master
+/// squares exactly and round once); masters and moments within adam_bound (bf16 moments, and
+/// weights without a master, one bf16 ulp more: bf16_slack); the model copy bitwise equal to the fused step's own master
 /// rounded to nearest even; untouched buffers bitwise unchanged. Buffers in another state format
 /// are compared as their fp32 values (FlatBuffers::as_f32).
 inline void check_step(const halfstep::StepReport& got, const halfstep::StepReport& want,
@@ -102,7 +105,8 @@ inline void check_step(const halfstep::StepReport& got, const halfstep::StepRepo
           b.with_model ? to_bits16(config.model_dtype, g.master[i]) : b.model[i];
       const double slack_m = bf16_moment_slack(config.state.exp_avg, g.exp_avg[i], r.exp_avg[i]);
       const double slack_v = bf16_moment_slack(config.state.exp_avg_sq, g.exp_avg_sq[i], r.exp_avg_sq[i]);
-      const bool ok = std::fabs(static_cast<double>(g.master[i]) - r.master[i]) <= bound.p &&
+      const double slack_p = bf16_slack(config.state.master == MasterFormat::none, g.master[i], r.master[i]);
+      const bool ok = std::fabs(static_cast<double>(g.master[i]) - r.master[i]) <= bound.p + slack_p &&
                       std::fabs(static_cast<double>(g.exp_avg[i]) - r.exp_avg[i]) <= bound.m + slack_m &&
                       std::fabs(static_cast<double>(g.exp_avg_sq[i]) - r.exp_avg_sq[i]) <= bound.v + slack_v &&
                       g.model[i] == model_want;

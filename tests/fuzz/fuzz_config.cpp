@@ -54,7 +54,7 @@ StepConfig config_from(Input& in) {
     g.bias_correction = in.flag();
   }
   // The state formats, codes past the enums included (validation refuses them by name).
-  c.state.master = static_cast<MasterFormat>(in.take<std::uint8_t>() % 3);
+  c.state.master = static_cast<MasterFormat>(in.take<std::uint8_t>() % 4);
   c.state.exp_avg = static_cast<MomentFormat>(in.take<std::uint8_t>() % 3);
   c.state.exp_avg_sq = static_cast<MomentFormat>(in.take<std::uint8_t>() % 3);
   c.state.rounding = static_cast<Rounding>(in.take<std::uint8_t>() % 3);
@@ -89,7 +89,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (ParamTensor& p : tensors) {
     p.numel = in.take<std::int64_t>() >> (in.take<std::uint8_t>() % 64);
     p.group = in.take<std::int32_t>() % 6;
-    p.master = reinterpret_cast<float*>(in.take<std::uint64_t>());
+    p.master = in.flag() ? nullptr : reinterpret_cast<float*>(in.take<std::uint64_t>());  // null: no master
     p.grad = reinterpret_cast<const void*>(in.take<std::uint64_t>());
     p.exp_avg = reinterpret_cast<float*>(in.take<std::uint64_t>());
     p.exp_avg_sq = reinterpret_cast<float*>(in.take<std::uint64_t>());

@@ -18,6 +18,7 @@
 #include "ranks.hpp"
 #include "record_faults.hpp"
 #include "sharded_run.hpp"
+#include "state_codec.hpp"
 #include "step_check.hpp"
 
 using namespace halfstep;
@@ -85,7 +86,9 @@ struct DeviceFlat {
         remainder(h.remainder), exp_avg16(h.exp_avg16), exp_avg_sq16(h.exp_avg_sq16), format(h.format) {}
   ParamTensor view() {
     ParamTensor p;
-    p.master = format.master == MasterFormat::f32 ? static_cast<void*>(master.ptr) : remainder.ptr;
+    p.master = format.master == MasterFormat::f32              ? static_cast<void*>(master.ptr)
+               : format.master == MasterFormat::bf16_remainder ? static_cast<void*>(remainder.ptr)
+                                                               : nullptr;
     p.grad = grad.ptr;
     p.exp_avg = format.exp_avg == MomentFormat::f32 ? static_cast<void*>(exp_avg.ptr) : exp_avg16.ptr;
     p.exp_avg_sq = format.exp_avg_sq == MomentFormat::f32 ? static_cast<void*>(exp_avg_sq.ptr) : exp_avg_sq16.ptr;
@@ -245,15 +248,16 @@ TEST_CASE("gpu a step with a communicator launches finalize on both sides of the
 
 namespace {
 
-// The state formats the API offers, for f16 and bf16 models (remainders need a bf16 one).
+// The state formats the API offers, for f16 and bf16 models (remainders and no master need a bf16 one).
 std::vector<StateFormat> formats_for(DType dtype) {
   std::vector<StateFormat> out;
-  for (const MasterFormat master : {MasterFormat::f32, MasterFormat::bf16_remainder}) {
-    if (master == MasterFormat::bf16_remainder && dtype != DType::bf16) continue;
+  for (const MasterFormat master : {MasterFormat::f32, MasterFormat::bf16_remainder, MasterFormat::none}) {
+    if (master != MasterFormat::f32 && dtype != DType::bf16) continue;
     for (const MomentFormat m : {MomentFormat::f32, MomentFormat::bf16}) {
       for (const MomentFormat v : {MomentFormat::f32, MomentFormat::bf16}) {
         for (const Rounding rounding : {Rounding::stochastic, Rounding::nearest}) {
-          if (m == MomentFormat::f32 && v == MomentFormat::f32 && rounding == Rounding::nearest) continue;  // (unused)
+          // (unused: nothing rounds)
+          if (m == MomentFormat::f32 && v == MomentFormat::f32 && master != MasterFormat::none && rounding == Rounding::nearest) continue;
           StateFormat f;
           f.master = master;
           f.exp_avg = m;
@@ -406,6 +410,60 @@ TEST_CASE("gpu remainders step bitwise like fp32 masters with a bf16 model copy"
       REQUIRE(same_report(b.first[s], a.first[s], [](std::int32_t, std::int32_t t) { return t; }));
     }
     REQUIRE(b.second.as_f32() == a.second.as_f32());
+  }
+}
+
+TEST_CASE("gpu without a master each step rounds the fp32-master step's result with the weight's own bits",
+          "[gpu][state]") {
+  // From the weights a master-free run holds, the device's step with an fp32 master (the weights
+  // widened, exactly) computes the same fp32 result: the master-free step must store the same
+  // moments and, as each weight, that result rounded with the bits state_codec.hpp draws for it
+  // (keyed by seed, applied step, tensor and element index), bit for bit; to nearest, likewise.
+  const int steps = reduced_sizes() ? 15 : 40;
+  for (const Rounding rounding : {Rounding::stochastic, Rounding::nearest}) {
+    StateFormat lean;
+    lean.master = MasterFormat::none;
+    lean.rounding = rounding;
+    lean.seed = 0xABCDu;
+    const ShardedCase c = ShardedCase::make(1470, DType::bf16, steps, 900, lean);
+    ShardedCase c_wide = c;
+    c_wide.config.state = StateFormat{};
+    DeviceFlat flat(c.initial);
+    FusedAdamW opt(c.whole(flat.view()), c.config);
+    int applied = 0;
+    for (std::size_t s = 0; s < c.grads.size(); ++s) {
+      flat.grad.put(c.grads[s]);
+      FlatBuffers wide_host = flat.download().as_f32();
+      DeviceFlat wide(wide_host);
+      FusedAdamW one(c_wide.whole(wide.view()), c_wide.config);
+      one.set_state(opt.state());
+      one.step();
+      opt.step();
+      const StepReport r = opt.last_report();
+      CAPTURE(rounding_name(rounding), s);
+      REQUIRE(same_report(r, one.last_report(), [](std::int32_t, std::int32_t t) { return t; }));
+      const FlatBuffers got = flat.download(), want = wide.download();
+      REQUIRE(got.exp_avg == want.exp_avg);
+      REQUIRE(got.exp_avg_sq == want.exp_avg_sq);
+      if (r.outcome != Outcome::applied) continue;
+      ++applied;
+      REQUIRE(r.held_elements == 0);  // every weight is written
+      std::size_t i = 0;
+      for (std::size_t t = 0; t < c.layout.size(); ++t) {
+        const std::uint64_t key = detail::tensor_key(detail::step_key(lean.seed, r.step), static_cast<std::uint32_t>(t + 1));
+        for (std::int64_t k = 0; k < c.layout[t].numel; ++k, ++i) {
+          const std::uint32_t b = detail::bits_of(want.master[i]);
+          const std::uint16_t expect = rounding == Rounding::nearest
+                                           ? detail::bf16_nearest(want.master[i])
+                                           : static_cast<std::uint16_t>((b + (detail::weight_bits(detail::element_bits(key, k)) & 0xFFFFu)) >> 16);
+          if (got.model[i] != expect) {
+            CAPTURE(t, k, b, got.model[i], expect);
+            FAIL("the weight is not the fp32 result rounded with its own bits");
+          }
+        }
+      }
+    }
+    CHECK(applied >= steps / 2);
   }
 }
 

@@ -196,56 +196,59 @@ TEST_CASE("every C API function works from a C translation unit", "[c_api]") {
 }
 
 TEST_CASE("c api lean state steps bitwise like the C++ API with the same formats", "[c_api][state]") {
-  halfstep::StateFormat lean;
-  lean.master = halfstep::MasterFormat::bf16_remainder;
-  lean.exp_avg = lean.exp_avg_sq = halfstep::MomentFormat::bf16;
-  lean.seed = 42;
-  const halfstep_test::ShardedCase c = halfstep_test::ShardedCase::make(77, halfstep::DType::bf16, 30, 300, lean);
-  halfstep_test::FlatBuffers cpp = c.initial, capi = c.initial;
-  halfstep::FusedAdamW mine(c.whole(cpp), c.config, halfstep::Backend::reference);
-  halfstep_config cfg;
-  halfstep_config_init(&cfg);
-  cfg.backend = HALFSTEP_BACKEND_REFERENCE;
-  cfg.grad_dtype = cfg.model_dtype = HALFSTEP_BF16;
-  cfg.max_grad_norm = c.config.max_grad_norm;
-  cfg.init_scale = c.config.scaler.init_scale;
-  cfg.growth_interval = c.config.scaler.growth_interval;
-  cfg.hysteresis = c.config.scaler.hysteresis;
-  cfg.spike_enabled = 1;
-  cfg.spike_skip = 1;
-  cfg.spike_warmup_steps = c.config.spike.warmup_steps;
-  cfg.spike_z_threshold = c.config.spike.z_threshold;
-  cfg.master_format = HALFSTEP_MASTER_BF16_REMAINDER;
-  cfg.exp_avg_format = cfg.exp_avg_sq_format = HALFSTEP_MOMENT_BF16;
-  cfg.rounding = HALFSTEP_ROUND_STOCHASTIC;
-  cfg.seed = 42;
-  std::vector<halfstep_tensor> tensors;
-  for (const halfstep::ParamTensor& p : c.whole(capi)) {
-    tensors.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, 0, 0, 0, 0});
+  for (const int master_code : {HALFSTEP_MASTER_BF16_REMAINDER, HALFSTEP_MASTER_NONE}) {
+    halfstep::StateFormat lean;
+    lean.master = static_cast<halfstep::MasterFormat>(master_code);
+    CAPTURE(master_code);
+    lean.exp_avg = lean.exp_avg_sq = halfstep::MomentFormat::bf16;
+    lean.seed = 42;
+    const halfstep_test::ShardedCase c = halfstep_test::ShardedCase::make(77, halfstep::DType::bf16, 30, 300, lean);
+    halfstep_test::FlatBuffers cpp = c.initial, capi = c.initial;
+    halfstep::FusedAdamW mine(c.whole(cpp), c.config, halfstep::Backend::reference);
+    halfstep_config cfg;
+    halfstep_config_init(&cfg);
+    cfg.backend = HALFSTEP_BACKEND_REFERENCE;
+    cfg.grad_dtype = cfg.model_dtype = HALFSTEP_BF16;
+    cfg.max_grad_norm = c.config.max_grad_norm;
+    cfg.init_scale = c.config.scaler.init_scale;
+    cfg.growth_interval = c.config.scaler.growth_interval;
+    cfg.hysteresis = c.config.scaler.hysteresis;
+    cfg.spike_enabled = 1;
+    cfg.spike_skip = 1;
+    cfg.spike_warmup_steps = c.config.spike.warmup_steps;
+    cfg.spike_z_threshold = c.config.spike.z_threshold;
+    cfg.master_format = master_code;
+    cfg.exp_avg_format = cfg.exp_avg_sq_format = HALFSTEP_MOMENT_BF16;
+    cfg.rounding = HALFSTEP_ROUND_STOCHASTIC;
+    cfg.seed = 42;
+    std::vector<halfstep_tensor> tensors;
+    for (const halfstep::ParamTensor& p : c.whole(capi)) {
+      tensors.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, 0, 0, 0, 0});
+    }
+    std::vector<halfstep_group> groups(c.config.groups.size());
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      halfstep_group_init(&groups[g]);
+      groups[g].lr = c.config.groups[g].lr;
+      groups[g].weight_decay = c.config.groups[g].weight_decay;
+    }
+    halfstep_optimizer* opt = nullptr;
+    REQUIRE(halfstep_create(tensors.data(), static_cast<int64_t>(tensors.size()), groups.data(),
+                            static_cast<int32_t>(groups.size()), &cfg, &opt) == HALFSTEP_OK);
+    for (const auto& g : c.grads) {
+      cpp.grad = g;
+      capi.grad = g;
+      mine.step();
+      REQUIRE(halfstep_step(opt, nullptr) == HALFSTEP_OK);
+    }
+    halfstep_report r;
+    REQUIRE(halfstep_last_report(opt, &r) == HALFSTEP_OK);
+    CHECK(r.step == mine.last_report().step);
+    CHECK(capi == cpp);
+    halfstep_destroy(opt);
+    // A format code outside the enum, and remainders without a bf16 model copy, are refused by name.
+    cfg.exp_avg_format = 7;
+    CHECK(halfstep_create(tensors.data(), static_cast<int64_t>(tensors.size()), groups.data(),
+                          static_cast<int32_t>(groups.size()), &cfg, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+    CHECK(std::string(halfstep_last_error()).find("exp_avg") != std::string::npos);
   }
-  std::vector<halfstep_group> groups(c.config.groups.size());
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    halfstep_group_init(&groups[g]);
-    groups[g].lr = c.config.groups[g].lr;
-    groups[g].weight_decay = c.config.groups[g].weight_decay;
-  }
-  halfstep_optimizer* opt = nullptr;
-  REQUIRE(halfstep_create(tensors.data(), static_cast<int64_t>(tensors.size()), groups.data(),
-                          static_cast<int32_t>(groups.size()), &cfg, &opt) == HALFSTEP_OK);
-  for (const auto& g : c.grads) {
-    cpp.grad = g;
-    capi.grad = g;
-    mine.step();
-    REQUIRE(halfstep_step(opt, nullptr) == HALFSTEP_OK);
-  }
-  halfstep_report r;
-  REQUIRE(halfstep_last_report(opt, &r) == HALFSTEP_OK);
-  CHECK(r.step == mine.last_report().step);
-  CHECK(capi == cpp);
-  halfstep_destroy(opt);
-  // A format code outside the enum, and remainders without a bf16 model copy, are refused by name.
-  cfg.exp_avg_format = 7;
-  CHECK(halfstep_create(tensors.data(), static_cast<int64_t>(tensors.size()), groups.data(),
-                        static_cast<int32_t>(groups.size()), &cfg, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
-  CHECK(std::string(halfstep_last_error()).find("exp_avg") != std::string::npos);
 }

@@ -106,31 +106,34 @@ TEST_CASE("N ranks with sharded state step bitwise like one rank for 200 steps",
   }
 }
 
-TEST_CASE("N ranks with lean state (remainders, bf16 moments rounded stochastically) step bitwise like one rank",
+TEST_CASE("N ranks with lean state (remainders or no master, bf16 moments rounded stochastically) step bitwise like one rank",
           "[distributed][state]") {
   // Stochastic rounding's bits are keyed by tensor and element index, never by the cut: the
-  // ranks' shards round every element as the unsharded run does.
-  StateFormat lean;
-  lean.master = MasterFormat::bf16_remainder;
-  lean.exp_avg = lean.exp_avg_sq = MomentFormat::bf16;
-  lean.seed = 2024;
-  for (const int n : {1, 2, 3, 4, 7}) {
-    const std::uint64_t seed = 980 + static_cast<std::uint64_t>(n);
-    const ShardedCase c = ShardedCase::make(seed, DType::bf16, 120, 900, lean);
-    const auto [one, ranks] = run(c, c.random_cuts(n, seed + 1), seed + 2);
-    CAPTURE(n);
-    for (std::size_t s = 0; s < c.grads.size(); ++s) {
-      for (int r = 0; r < n; ++r) {
-        auto map = [&](std::int32_t rank, std::int32_t local) {
-          return ranks[static_cast<std::size_t>(rank)].shard.source[static_cast<std::size_t>(local)];
-        };
-        CAPTURE(s, r);
-        REQUIRE(same_report(ranks[static_cast<std::size_t>(r)].reports[s], one.first[s], map));
+  // ranks' shards round every element (moments, and weights without a master) as the unsharded
+  // run does.
+  for (const MasterFormat master : {MasterFormat::bf16_remainder, MasterFormat::none}) {
+    StateFormat lean;
+    lean.master = master;
+    lean.exp_avg = lean.exp_avg_sq = MomentFormat::bf16;
+    lean.seed = 2024;
+    for (const int n : {1, 2, 3, 4, 7}) {
+      const std::uint64_t seed = 980 + static_cast<std::uint64_t>(n) + (master == MasterFormat::none ? 100u : 0u);
+      const ShardedCase c = ShardedCase::make(seed, DType::bf16, 120, 900, lean);
+      const auto [one, ranks] = run(c, c.random_cuts(n, seed + 1), seed + 2);
+      CAPTURE(n);
+      for (std::size_t s = 0; s < c.grads.size(); ++s) {
+        for (int r = 0; r < n; ++r) {
+          auto map = [&](std::int32_t rank, std::int32_t local) {
+            return ranks[static_cast<std::size_t>(rank)].shard.source[static_cast<std::size_t>(local)];
+          };
+          CAPTURE(s, r);
+          REQUIRE(same_report(ranks[static_cast<std::size_t>(r)].reports[s], one.first[s], map));
+        }
       }
+      FlatBuffers joined;
+      for (const RankResult& me : ranks) joined.append(me.buffers);
+      CHECK(joined == one.second);
     }
-    FlatBuffers joined;
-    for (const RankResult& me : ranks) joined.append(me.buffers);
-    CHECK(joined == one.second);
   }
 }
 

@@ -5,13 +5,17 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <string>
 #include <thread>
 
 #include "halfstep/checkpoint.hpp"
 #include "halfstep/error.hpp"
 #include "halfstep/fused_adamw.hpp"
+#include "halfstep/safetensors.hpp"
 #include "halfstep/state.hpp"
 #include "sharded_run.hpp"
 #include "state_codec.hpp"
@@ -54,10 +58,10 @@ SplitCounts check_patterns(std::uint64_t begin, std::uint64_t end) {
     // The kernels' codec, on the host: it canonicalises, so only the range can refuse.
     std::uint16_t k_model = 0, k_stored = 0;
     const float x = detail::float_of(b);
-    const bool k_ok = finite && detail::MasterCodec<MasterFormat::bf16_remainder, DType::bf16>::encode(x, true, k_stored, k_model);
+    const bool k_ok = finite && detail::MasterCodec<MasterFormat::bf16_remainder, DType::bf16>::encode(x, true, false, 0u, k_stored, k_model);
     float f_stored = 0.0f;
     std::uint16_t f_model = 0;
-    const bool f_ok = finite && detail::MasterCodec<MasterFormat::f32, DType::bf16>::encode(x, true, f_stored, f_model);
+    const bool f_ok = finite && detail::MasterCodec<MasterFormat::f32, DType::bf16>::encode(x, true, false, 0u, f_stored, f_model);
     if (!finite) {
       ++n.nonfinite;
       if (ok) wrong(b);
@@ -236,6 +240,59 @@ std::pair<std::vector<StepReport>, FlatBuffers> run_reference(const ShardedCase&
   return {reports, flat};
 }
 
+// The layout entry flat element `i` of `c` belongs to, and where that tensor starts.
+std::size_t tensor_of(const ShardedCase& c, std::size_t i) {
+  std::int64_t at = 0;
+  for (std::size_t t = 0; t < c.layout.size(); ++t) {
+    at += c.layout[t].numel;
+    if (static_cast<std::int64_t>(i) < at) return t;
+  }
+  return c.layout.size();
+}
+std::int64_t start_of(const ShardedCase& c, std::size_t t) {
+  std::int64_t at = 0;
+  for (std::size_t k = 0; k < t; ++k) at += c.layout[k].numel;
+  return at;
+}
+
+// Step s of `c` on `opt` (over `flat`, its state in a narrow format) beside the fp32-state step
+// from the same values and optimizer state; both reports must agree. Returns the fp32 step's
+// buffers.
+FlatBuffers step_beside_fp32(const ShardedCase& c, std::size_t s, FlatBuffers& flat, FusedAdamW& opt) {
+  ShardedCase wide_case = c;
+  wide_case.config.state = StateFormat{};
+  FlatBuffers wide = flat.as_f32();
+  wide.grad = c.grads[s];
+  FusedAdamW one(wide_case.whole(wide), wide_case.config, Backend::reference);
+  one.set_state(opt.state());
+  one.step();
+  flat.grad = c.grads[s];
+  opt.step();
+  REQUIRE(same_report(opt.last_report(), one.last_report(), [](std::int32_t, std::int32_t t) { return t; }));
+  return wide;
+}
+
+// How often stochastic rounding went each way.
+struct RoundingCounts {
+  std::size_t up = 0, down = 0, exact = 0;
+};
+
+// `got` must be the fp32 value `x` rounded to bf16 once: to nearest even, or (stochastic) to one
+// of the two bf16 values around it, never anything else.
+void check_rounded(std::uint16_t got, float x, Rounding rounding, RoundingCounts& n) {
+  const std::uint32_t b = detail::bits_of(x);
+  const auto down = static_cast<std::uint16_t>(b >> 16);  // towards zero
+  if (rounding == Rounding::nearest) {
+    REQUIRE(got == static_cast<std::uint16_t>(nearest_even_bf16(b)));
+  } else if ((b & 0xFFFFu) == 0) {
+    REQUIRE(got == down);
+    ++n.exact;
+  } else {
+    REQUIRE((got == down || got == down + 1));
+    (got == down ? n.down : n.up) += 1;
+  }
+}
+
 bool same_reports(const std::vector<StepReport>& a, const std::vector<StepReport>& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t s = 0; s < a.size(); ++s) {
@@ -278,84 +335,64 @@ TEST_CASE("each step with bf16 moments is the fp32 step from the same state, its
     const ShardedCase c = ShardedCase::make(2200, DType::bf16, 40, 900, lean);
     FlatBuffers flat = c.initial;
     FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
-    ShardedCase c_wide = c;  // the same case with fp32 moments
-    c_wide.config.state = StateFormat{};
-    std::size_t rounded_up = 0, rounded_down = 0, exact = 0;
+    RoundingCounts n;
     for (std::size_t s = 0; s < c.grads.size(); ++s) {
-      FlatBuffers wide = flat.as_f32();
-      wide.grad = c.grads[s];
-      FusedAdamW one(c_wide.whole(wide), c_wide.config, Backend::reference);
-      one.set_state(opt.state());
-      one.step();
-      flat.grad = c.grads[s];
-      opt.step();
       CAPTURE(rounding_name(rounding), s);
-      REQUIRE(same_report(opt.last_report(), one.last_report(), [](std::int32_t, std::int32_t t) { return t; }));
+      const FlatBuffers wide = step_beside_fp32(c, s, flat, opt);
       const FlatBuffers got = flat.as_f32();
       REQUIRE(std::memcmp(got.master.data(), wide.master.data(), got.master.size() * sizeof(float)) == 0);
       for (const auto& [stored, want] : {std::pair{&flat.exp_avg16, &wide.exp_avg},
                                          std::pair{&flat.exp_avg_sq16, &wide.exp_avg_sq}}) {
-        for (std::size_t i = 0; i < stored->size(); ++i) {
-          const float x = (*want)[i];
-          const std::uint32_t b = detail::bits_of(x);
-          const auto down = static_cast<std::uint16_t>(b >> 16);  // towards zero
-          const std::uint16_t got_bits = (*stored)[i];
-          if (rounding == Rounding::nearest) {
-            REQUIRE(got_bits == static_cast<std::uint16_t>(nearest_even_bf16(b)));
-          } else if ((b & 0xFFFFu) == 0) {
-            REQUIRE(got_bits == down);
-            ++exact;
-          } else {
-            REQUIRE((got_bits == down || got_bits == down + 1));
-            (got_bits == down ? rounded_down : rounded_up) += 1;
-          }
-        }
+        for (std::size_t i = 0; i < stored->size(); ++i) check_rounded((*stored)[i], (*want)[i], rounding, n);
       }
     }
     if (rounding == Rounding::stochastic) {  // both ways, many times
-      CHECK(rounded_up > 1000);
-      CHECK(rounded_down > 1000);
+      CHECK(n.up > 1000);
+      CHECK(n.down > 1000);
     }
   }
 }
 
 TEST_CASE("stochastic rounding resumes bit for bit: the checkpoint carries the seed", "[state][checkpoint]") {
-  StateFormat lean;
-  lean.master = MasterFormat::bf16_remainder;
-  lean.exp_avg = lean.exp_avg_sq = MomentFormat::bf16;
-  lean.seed = 0x5EEDu;
-  const ShardedCase c = ShardedCase::make(2300, DType::bf16, 80, 900, lean);
-  const auto straight = run_reference(c);
-  // 40 steps, the checkpoint and the buffers, then an optimizer built with another seed resumes.
-  FlatBuffers flat = c.initial;
-  std::string saved;
-  {
-    FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
-    for (std::size_t s = 0; s < 40; ++s) {
-      flat.grad = c.grads[s];
-      opt.step();
+  for (const MasterFormat master : {MasterFormat::bf16_remainder, MasterFormat::none}) {
+    StateFormat lean;
+    lean.master = master;
+    lean.exp_avg = lean.exp_avg_sq = MomentFormat::bf16;
+    lean.seed = 0x5EEDu;
+    CAPTURE(master_format_name(master));
+    const ShardedCase c = ShardedCase::make(2300, DType::bf16, 80, 900, lean);
+    const auto straight = run_reference(c);
+    // 40 steps, the checkpoint and the buffers, then an optimizer built with another seed resumes.
+    FlatBuffers flat = c.initial;
+    std::string saved;
+    {
+      FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
+      for (std::size_t s = 0; s < 40; ++s) {
+        flat.grad = c.grads[s];
+        opt.step();
+      }
+      saved = opt.save_state();
     }
-    saved = opt.save_state();
-  }
-  for (const bool restore : {true, false}) {
-    FlatBuffers resumed = flat;
-    StepConfig other = c.config;
-    other.state.seed = 1;
-    FusedAdamW opt(c.whole(resumed), other, Backend::reference);
-    if (restore) opt.load_state(saved);
-    std::vector<StepReport> reports;
-    for (std::size_t s = 40; s < c.grads.size(); ++s) {
-      resumed.grad = c.grads[s];
-      opt.step();
-      reports.push_back(opt.last_report());
-    }
-    CAPTURE(restore);
-    if (restore) {
-      CHECK(opt.config().state.seed == 0x5EEDu);  // the run's seed, not the one this optimizer was built with
-      CHECK(same_reports(reports, std::vector<StepReport>(straight.first.begin() + 40, straight.first.end())));
-      CHECK(resumed == straight.second);
-    } else {
-      CHECK_FALSE(resumed == straight.second);  // another seed rounds otherwise
+    for (const bool restore : {true, false}) {
+      FlatBuffers resumed = flat;
+      StepConfig other = c.config;
+      other.state.seed = 1;
+      FusedAdamW opt(c.whole(resumed), other, Backend::reference);
+      if (restore) opt.load_state(saved);
+      std::vector<StepReport> reports;
+      for (std::size_t s = 40; s < c.grads.size(); ++s) {
+        resumed.grad = c.grads[s];
+        opt.step();
+        reports.push_back(opt.last_report());
+      }
+      CAPTURE(restore);
+      if (restore) {
+        CHECK(opt.config().state.seed == 0x5EEDu);  // the run's seed, not the one this optimizer was built with
+        CHECK(same_reports(reports, std::vector<StepReport>(straight.first.begin() + 40, straight.first.end())));
+        CHECK(resumed == straight.second);
+      } else {
+        CHECK_FALSE(resumed == straight.second);  // another seed rounds otherwise
+      }
     }
   }
 }
@@ -395,4 +432,208 @@ TEST_CASE("a model copy written outside the step over its remainder is read as a
   }
   const FlatBuffers wide = flat.as_f32();
   for (float m : wide.master) REQUIRE(std::isfinite(m));
+}
+
+TEST_CASE("without a master the bf16 model copy is the weight: slots, bytes and the rules", "[state][validate]") {
+  StepConfig c;
+  c.grad_dtype = c.model_dtype = DType::bf16;
+  c.state.master = MasterFormat::none;
+  const auto slots = slot_layouts(c);
+  CHECK_FALSE(slots[0].present);  // no master buffer
+  CHECK(slots[0].element_bytes == 0);
+  CHECK_FALSE((slots[0].state || slots[0].read || slots[0].written));
+  CHECK(slots[4].present);
+  CHECK(slots[4].read);  // the weight is read and written
+  CHECK(slots[4].written);
+  CHECK_FALSE(slots[4].nullable);
+  auto bytes = [](const StepConfig& config) {
+    const StateBytes b = state_bytes(config, true);
+    return std::vector<std::size_t>{b.state, b.gradient, b.model, b.moved};
+  };
+  // pass 1 reads the gradient (2), pass 2 reads it (2), reads and writes the moments (2 x 8) and
+  // the weight (2 x 2).
+  CHECK(bytes(c) == std::vector<std::size_t>{8, 2, 2, 24});
+  c.state.exp_avg = c.state.exp_avg_sq = MomentFormat::bf16;
+  CHECK(bytes(c) == std::vector<std::size_t>{4, 2, 2, 16});
+  CHECK_THROWS_WITH(state_bytes(c, false), Catch::Contains("master = none") && Catch::Contains("model_copy must be true"));
+  CHECK(std::string(master_format_name(MasterFormat::none)) == "none");
+  // The kernels' codec: the weight is the model copy; a result is rounded to it, up with
+  // probability (discarded bits) / 2^16, and one that would not be finite is refused.
+  using Codec = detail::MasterCodec<MasterFormat::none, DType::bf16>;
+  std::uint16_t unused = 0, w = 0;
+  CHECK(Codec::decode(0, 0x3FC0u) == 1.5f);
+  const float x = 1.5f + 0x1p-9f;  // a quarter of an ulp above 1.5: discarded bits 0x4000
+  CHECK((Codec::encode(x, true, false, 0u, unused, w) && w == 0x3FC0u));         // to nearest
+  CHECK((Codec::encode(x, true, true, 0xBFFFu, unused, w) && w == 0x3FC0u));     // 0x4000 + 0xBFFF < 2^16
+  CHECK((Codec::encode(x, true, true, 0xC000u, unused, w) && w == 0x3FC1u));     // reaches 2^16: up
+  CHECK((Codec::encode(x, true, true, 0xFFFF0000u, unused, w) && w == 0x3FC0u)); // only the low 16 bits count
+  CHECK_FALSE(Codec::encode(0x1.fffffep127f, true, true, 0xFFFFu, unused, w));   // rounds past bf16's range
+  CHECK_FALSE(Codec::encode(std::numeric_limits<float>::infinity(), true, false, 0u, unused, w));
+
+  StepConfig f16 = c;
+  f16.model_dtype = f16.grad_dtype = DType::f16;
+  CHECK_THROWS_WITH(f16.validate(), Catch::Contains("master = none needs a bf16 model copy") &&
+                                        Catch::Contains("model_dtype is f16"));
+  // A master buffer where there is none, or no model copy, is refused before anything runs.
+  FlatBuffers flat = ShardedCase::make(6, DType::bf16, 0, 40, c.state).initial;
+  CHECK(flat.master.empty());
+  ParamTensor p = flat.view();
+  CHECK(p.master == nullptr);
+  CHECK_NOTHROW(FusedAdamW({p}, c, Backend::reference));
+  std::vector<float> stray(static_cast<std::size_t>(p.numel));
+  p.master = stray.data();
+  CHECK_THROWS_WITH(FusedAdamW({p}, c, Backend::reference),
+                    Catch::Contains("tensors[0].master must be null") && Catch::Contains("master = none"));
+  p = flat.view();
+  p.model = nullptr;
+  CHECK_THROWS_WITH(FusedAdamW({p}, c, Backend::reference), Catch::Contains("tensors[0].model is null"));
+}
+
+TEST_CASE("without a master each step is the fp32-master step from the same weights, the weight rounded once",
+          "[state][reference]") {
+  // From the weights a master-free run holds before each step (bf16, exactly fp32 values), one
+  // step with an fp32 master gives the fp32 result; the master-free step must give the same
+  // report and moments and store the weight as that result rounded: to nearest even, or
+  // (stochastic) to one of the two bf16 values around it, never anything else.
+  for (const Rounding rounding : {Rounding::nearest, Rounding::stochastic}) {
+    StateFormat lean;
+    lean.master = MasterFormat::none;
+    lean.rounding = rounding;
+    lean.seed = 31;
+    const ShardedCase c = ShardedCase::make(2500, DType::bf16, 40, 900, lean);
+    FlatBuffers flat = c.initial;
+    FusedAdamW opt(c.whole(flat), c.config, Backend::reference);
+    RoundingCounts n;
+    std::size_t applied = 0;
+    for (std::size_t s = 0; s < c.grads.size(); ++s) {
+      CAPTURE(rounding_name(rounding), s);
+      const FlatBuffers wide = step_beside_fp32(c, s, flat, opt);
+      applied += opt.last_report().outcome == Outcome::applied;
+      REQUIRE(flat.exp_avg == wide.exp_avg);  // fp32 moments: the same arithmetic, bit for bit
+      REQUIRE(flat.exp_avg_sq == wide.exp_avg_sq);
+      for (std::size_t i = 0; i < flat.model.size(); ++i) {
+        check_rounded(flat.model[i], wide.master[i], rounding, n);
+        if (rounding == Rounding::stochastic && opt.last_report().outcome == Outcome::applied) {
+          // The reference draws the weight's bits as the kernels' codec does (state_codec.hpp).
+          const std::size_t t = tensor_of(c, i);
+          const std::uint64_t key =
+              detail::tensor_key(detail::step_key(lean.seed, opt.last_report().step), static_cast<std::uint32_t>(t + 1));
+          const std::uint32_t r = detail::weight_bits(detail::element_bits(key, static_cast<std::int64_t>(i) - start_of(c, t)));
+          REQUIRE(flat.model[i] == static_cast<std::uint16_t>((detail::bits_of(wide.master[i]) + (r & 0xFFFFu)) >> 16));
+        }
+      }
+    }
+    CHECK(applied >= 20);
+    if (rounding == Rounding::stochastic) {
+      CHECK(n.up > 1000);
+      CHECK(n.down > 1000);
+    }
+  }
+}
+
+TEST_CASE("without a master, stochastic rounding keeps updates below half a bf16 ulp; to nearest loses them",
+          "[state][reference]") {
+  // 4096 weights at 1.5 (bf16 ulp 2^-7) under a constant gradient: Adam's update is lr = 2^-11,
+  // a sixteenth of an ulp, for 64 steps. An fp32 master moves by 64 · 2^-11 = 2^-5; a master-free
+  // weight rounded to nearest never moves; rounded stochastically each weight moves by the fp32
+  // step in expectation: the mean over 4096 weights has a standard error below
+  // sqrt(64) · 2^-8 / sqrt(4096) = 2^-11, and must lie within 6 of them of the fp32 master's move.
+  const std::size_t n = 4096;
+  const int steps = 64;
+  auto run = [&](MasterFormat master, Rounding rounding) {
+    StepConfig c;
+    c.grad_dtype = c.model_dtype = DType::bf16;
+    c.groups.resize(1);
+    c.groups[0].lr = 0x1p-11f;
+    c.groups[0].weight_decay = 0.0f;
+    c.max_grad_norm = 0.0f;
+    c.scaler.init_scale = 1.0f;
+    c.spike.enabled = false;
+    c.state.master = master;
+    c.state.rounding = rounding;
+    c.state.seed = 5;
+    std::vector<float> w32(n, 1.5f), m(n, 0.0f), v(n, 0.0f);
+    std::vector<std::uint16_t> g(n, to_bits16(DType::bf16, 0.25)), model(n, to_bits16(DType::bf16, 1.5));
+    ParamTensor p;
+    p.master = master == MasterFormat::f32 ? w32.data() : nullptr;
+    p.grad = g.data();
+    p.exp_avg = m.data();
+    p.exp_avg_sq = v.data();
+    p.model = model.data();
+    p.numel = static_cast<std::int64_t>(n);
+    FusedAdamW opt({p}, c, Backend::reference);
+    for (int s = 0; s < steps; ++s) {
+      opt.step();
+      REQUIRE(opt.last_report().outcome == Outcome::applied);
+    }
+    double mean = 0.0;
+    for (std::size_t i = 0; i < n; ++i) {
+      mean += master == MasterFormat::f32 ? static_cast<double>(w32[i]) : from_bits16(DType::bf16, model[i]);
+    }
+    return 1.5 - mean / static_cast<double>(n);  // the mean move
+  };
+  const double fp32 = run(MasterFormat::f32, Rounding::stochastic);
+  CHECK(std::fabs(fp32 - 0x1p-5) < 0x1p-5 * 1e-3);
+  CHECK(run(MasterFormat::none, Rounding::nearest) == 0.0);
+  const double sr = run(MasterFormat::none, Rounding::stochastic);
+  CAPTURE(fp32, sr);
+  CHECK(std::fabs(sr - fp32) < 6 * 0x1p-11);
+}
+
+TEST_CASE("safetensors checkpoints move between fp32 masters and no master, and resume without one bit for bit",
+          "[state][safetensors]") {
+  // The file holds a master as fp32 values: without a master, the weight's (exact). Loaded where
+  // there is no master, an fp32 master becomes the weight rounded to nearest even (what its model
+  // copy already is); loaded where there is one, the weight becomes the fp32 master exactly.
+  StateFormat none;
+  none.master = MasterFormat::none;
+  none.seed = 404;
+  const ShardedCase c = ShardedCase::make(2600, DType::bf16, 60, 500, none);
+  ShardedCase c32 = c;
+  c32.config.state = StateFormat{};
+  c32.config.state.seed = 404;
+  c32.initial = ShardedCase::make(2600, DType::bf16, 0, 500, StateFormat{}).initial;
+  std::vector<std::string> names;
+  for (std::size_t t = 0; t < c.layout.size(); ++t) names.push_back("w" + std::to_string(t));
+  const std::string path = "halfstep_test_no_master.safetensors";
+  auto steps = [](FusedAdamW& opt, FlatBuffers& flat, const ShardedCase& k, std::size_t from, std::size_t to) {
+    for (std::size_t s = from; s < to; ++s) {
+      flat.grad = k.grads[s];
+      opt.step();
+    }
+  };
+  // fp32 masters -> no master.
+  FlatBuffers a = c32.initial;
+  FusedAdamW opt_a(c32.whole(a), c32.config, Backend::reference);
+  steps(opt_a, a, c32, 0, 20);
+  save_checkpoint(opt_a, names, path);
+  FlatBuffers b = c.initial;
+  FusedAdamW opt_b(c.whole(b), c.config, Backend::reference);
+  load_checkpoint(opt_b, names, path);
+  for (std::size_t i = 0; i < a.master.size(); ++i) REQUIRE(b.model[i] == to_bits16(DType::bf16, a.master[i]));
+  CHECK(b.exp_avg == a.exp_avg);
+  CHECK(b.exp_avg_sq == a.exp_avg_sq);
+  CHECK(opt_b.state() == opt_a.state());
+  // No master -> no master: the rest of the run, bit for bit, as if never interrupted.
+  steps(opt_b, b, c, 20, 40);
+  save_checkpoint(opt_b, names, path);
+  FlatBuffers d = c.initial;
+  {
+    FusedAdamW opt_d(c.whole(d), c.config, Backend::reference);
+    load_checkpoint(opt_d, names, path);
+    d.grad = b.grad;  // the buffers compared besides the gradients
+    CHECK(d == b);
+    steps(opt_d, d, c, 40, 60);
+  }
+  steps(opt_b, b, c, 40, 60);
+  CHECK(d == b);
+  // No master -> fp32 masters: the master is the weight's value.
+  save_checkpoint(opt_b, names, path);
+  FlatBuffers e = c32.initial;
+  FusedAdamW opt_e(c32.whole(e), c32.config, Backend::reference);
+  load_checkpoint(opt_e, names, path);
+  const FlatBuffers wide = b.as_f32();
+  CHECK(e.master == wide.master);
+  CHECK(e.model == b.model);
+  std::remove(path.c_str());
 }
