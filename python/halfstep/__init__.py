@@ -11,8 +11,8 @@ import math as _math
 import operator as _operator
 
 from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID_ARGUMENT, ERROR_USAGE, F16, F32,
-                   MASTER_BF16_REMAINDER, MASTER_F32, MOMENT_BF16, MOMENT_F32, ROUND_NEAREST, ROUND_STOCHASTIC,
-                   SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE, SKIPPED_OVERFLOW, SKIPPED_SPIKE,
+                   MASTER_BF16_REMAINDER, MASTER_F32, MASTER_NONE, MOMENT_BF16, MOMENT_F32, ROUND_NEAREST,
+                   ROUND_STOCHASTIC, SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE, SKIPPED_OVERFLOW, SKIPPED_SPIKE,
                    TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group, HalfstepError, Report, State, StateBytes, Tensor,
                    check, lib, library_path)
 
@@ -47,7 +47,7 @@ _DTYPE_NAMES = {"float16": F16, "fp16": F16, "bfloat16": BF16, "bf16": BF16, "fl
 _BACKEND_NAMES = {"cuda": BACKEND_CUDA, "reference": BACKEND_REFERENCE, BACKEND_CUDA: BACKEND_CUDA,
                   BACKEND_REFERENCE: BACKEND_REFERENCE}
 # The state formats (halfstep::StateFormat) by their library names.
-MASTER_FORMATS = {"f32": MASTER_F32, "bf16_remainder": MASTER_BF16_REMAINDER}
+MASTER_FORMATS = {"f32": MASTER_F32, "bf16_remainder": MASTER_BF16_REMAINDER, "none": MASTER_NONE}
 MOMENT_FORMATS = {"f32": MOMENT_F32, "bf16": MOMENT_BF16}
 ROUNDINGS = {"nearest": ROUND_NEAREST, "stochastic": ROUND_STOCHASTIC}
 
@@ -66,10 +66,11 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
     gradients come with float32 parameters, which are the masters: no model copy); `compute_dtype`
     is the format float32 gradients were computed in, which the headroom and subnormal count are
     measured against; `backend` is "cuda" (device pointers) or "reference" (host memory, the CPU
-    reference step) (or BACKEND_CUDA, BACKEND_REFERENCE). The state formats: `master` "f32" or
-    "bf16_remainder" (bfloat16 models: the model copy and an int16 remainder are the master),
-    `exp_avg` and `exp_avg_sq` "f32" or "bf16", `rounding` of bf16 moments "stochastic" or
-    "nearest", and `seed`, the key of stochastic rounding's bits (an integer in [0, 2^64)).
+    reference step) (or BACKEND_CUDA, BACKEND_REFERENCE). The state formats: `master` "f32",
+    "bf16_remainder" (bfloat16 models: the model copy and an int16 remainder are the master) or
+    "none" (bfloat16 models: the model copy is the weight, updated with `rounding`), `exp_avg` and
+    `exp_avg_sq` "f32" or "bf16", `rounding` of bf16 moments (and weights without a master)
+    "stochastic" or "nearest", and `seed`, the key of stochastic rounding's bits (an integer in [0, 2^64)).
     Unknown names raise ValueError."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError("dtype must be 'float16', 'bfloat16' or 'float32', got %r" % (dtype,))

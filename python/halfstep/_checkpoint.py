@@ -3,8 +3,8 @@
 The state_dict is torch.optim's shape, so that torch.save, torch.distributed.checkpoint and its
 get_optimizer_state_dict / set_optimizer_state_dict (accelerate's FSDP2 save_state, torchtitan,
 Lightning) carry all of it: "state" maps each parameter's index to its slots (the fp32 master,
-also where the optimizer keeps it as a remainder, and the moments in their dtype, laid out as the
-layout saves them) and its "step"; "param_groups" holds the groups'
+also where the optimizer keeps it as a remainder, or keeps none (the weights' values), and the
+moments in their dtype, laid out as the layout saves them) and its "step"; "param_groups" holds the groups'
 hyperparameters, and group 0 the optimizer's own state under "halfstep" (a param group's keys are
 what those tools keep besides the state). Entries of opt.state that are not a parameter's, and
 keys a user added to a parameter's entry, are kept as torch.optim keeps them.
@@ -14,7 +14,8 @@ their fully qualified names (entries are matched by position, as torch.optim mat
 state_dicts of halfstep 0.3 (the entry at the top level). A state_dict of other state formats
 loads converted: fp32 moments into bf16 ones round once, to nearest even; bf16 into fp32 are
 exact; the fp32 masters become remainders exactly (a step with a bfloat16 model stores a master in
-its canonical form, _formats.canonical, in either master format). Everything is checked before
+its canonical form, _formats.canonical, in either master format), or without a master the weights,
+rounded to nearest even. Everything is checked before
 anything changes; with a process group every rank agrees before any rank changes.
 """
 

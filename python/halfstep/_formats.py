@@ -2,9 +2,10 @@
 between a slot as it is stored and as a user or a checkpoint sees it. Only the layouts
 (_layouts) and the checkpoint's conversion (_checkpoint) use this module.
 
-- master: "f32" (an fp32 tensor; float32 parameters are their own), or "bf16_remainder" for
-  bfloat16 parameters: no fp32 copy, the parameter itself and an int16 remainder rebuild the fp32
-  master exactly (master bits = parameter bits * 2^16 + remainder).
+- master: "f32" (an fp32 tensor; float32 parameters are their own), or for bfloat16 parameters
+  "bf16_remainder": no fp32 copy, the parameter itself and an int16 remainder rebuild the fp32
+  master exactly (master bits = parameter bits * 2^16 + remainder); or "none": no master at all,
+  the parameter is the weight, the step's fp32 result written to it with the rounding.
 - exp_avg, exp_avg_sq: "f32" or "bf16" (decoded to fp32 in registers by the step, stored back with
   the rounding: "stochastic", reproducible from the seed, or "nearest").
 """
@@ -16,7 +17,8 @@ import torch
 
 # The keywords of TransformerEngine's FusedAdam (exp_avg_dtype, exp_avg_sq_dtype) by dtype.
 MOMENT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-DTYPE_OF = {"f32": torch.float32, "bf16": torch.bfloat16, "bf16_remainder": torch.int16}
+# A master-free layout keeps the parameter (bfloat16) where the master would be.
+DTYPE_OF = {"f32": torch.float32, "bf16": torch.bfloat16, "bf16_remainder": torch.int16, "none": torch.bfloat16}
 
 
 class Formats(_collections.namedtuple("Formats", "master exp_avg exp_avg_sq rounding seed")):
@@ -30,6 +32,11 @@ class Formats(_collections.namedtuple("Formats", "master exp_avg exp_avg_sq roun
     def remainders(self):
         return self.master == "bf16_remainder"
 
+    @property
+    def masterless(self):
+        """No master: the bfloat16 parameter is the weight."""
+        return self.master == "none"
+
     def library(self):
         """The keywords of halfstep.config()."""
         return dict(master=self.master, exp_avg=self.exp_avg, exp_avg_sq=self.exp_avg_sq, rounding=self.rounding,
@@ -41,12 +48,26 @@ class Formats(_collections.namedtuple("Formats", "master exp_avg exp_avg_sq roun
 
     @property
     def random_bits(self):
-        """Whether a step draws stochastic rounding's bits (a bf16 moment rounded stochastically)."""
-        return self.rounding == "stochastic" and "bf16" in (self.exp_avg, self.exp_avg_sq)
+        """Whether a step draws stochastic rounding's bits (a bf16 moment, or a weight without a
+        master, rounded stochastically)."""
+        return self.rounding == "stochastic" and ("bf16" in (self.exp_avg, self.exp_avg_sq) or self.masterless)
 
 
-def choose(param_dtype, store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype, rounding, seed):
+def choose(param_dtype, store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype, rounding, seed,
+           master_weight_dtype=torch.float32):
     """The formats FusedAdamW's keywords ask for, or ValueError naming the keyword and the rule."""
+    if master_weight_dtype is not None and master_weight_dtype is not torch.float32:
+        raise ValueError("master_weight_dtype must be torch.float32 (the default: an fp32 master) or None (no master: "
+                         "bfloat16 parameters updated with stochastic rounding), got %r" % (master_weight_dtype,))
+    if master_weight_dtype is None:
+        if param_dtype != torch.bfloat16:
+            raise ValueError("master_weight_dtype=None: without a master the parameter is the weight, written with "
+                             "stochastic rounding to bfloat16; these parameters are %s (%s). Leave it out, or train "
+                             "bfloat16 parameters" % (str(param_dtype)[6:], "their own fp32 masters"
+                                                      if param_dtype == torch.float32 else "float16"))
+        if store_param_remainders:
+            raise ValueError("store_param_remainders=True keeps a master (the parameter and an int16 remainder); "
+                             "master_weight_dtype=None keeps none: choose one")
     if store_param_remainders not in (None, True, False):
         raise ValueError("store_param_remainders must be True, False or None, got %r" % (store_param_remainders,))
     if store_param_remainders and param_dtype != torch.bfloat16:
@@ -64,7 +85,8 @@ def choose(param_dtype, store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype,
     seed = _integer(seed)
     if seed is None or not 0 <= seed < 2 ** 64:
         raise ValueError("seed must be an integer in [0, 2^64), got %r" % (seed,))
-    return Formats("bf16_remainder" if store_param_remainders else "f32", moments["exp_avg_dtype"],
+    master = "none" if master_weight_dtype is None else "bf16_remainder" if store_param_remainders else "f32"
+    return Formats(master, moments["exp_avg_dtype"],
                    moments["exp_avg_sq_dtype"], rounding, seed)
 
 

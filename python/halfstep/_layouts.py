@@ -7,11 +7,12 @@
   shard=True); the new model copy is all-gathered into the parameters after each step.
 
 Each holds slot -> tensor for the state slots (SLOTS: the master and the two moments), each in the
-dtype of its format (_formats: an fp32 master, or an int16 remainder beside the bfloat16 parameter;
-fp32 or bf16 moments), and builds the library's tensor table over them; nothing else in the package
-knows where a slot's values live or how they are stored. What users and checkpoints see of a slot
-(`shown`) is its values as they are: the moments in their dtype, the master in fp32 (rebuilt from
-the parameter and its remainder, a copy). A layout is built once per set of parameters; a rebuild
+dtype of its format (_formats: an fp32 master, an int16 remainder beside the bfloat16 parameter, or
+without a master the bfloat16 parameter itself; fp32 or bf16 moments), and builds the library's
+tensor table over them; nothing else in the package knows where a slot's values live or how they
+are stored. What users and checkpoints see of a slot (`shown`) is its values as they are: the
+moments in their dtype, the master in fp32 (rebuilt from the parameter and its remainder, or the
+parameter's own values without a master: a copy). A layout is built once per set of parameters; a rebuild
 that keeps the parameters reuses its tensors (PerParameter, DTensorShards), so views handed out
 survive it.
 """
@@ -25,13 +26,18 @@ SLOTS = ("master", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _take(slots, model, weights, remainders):
+def _take(slots, model, weights, master_format):
     """Weights written into the parameters become the masters of the elements that differ from
     their master rounded to the parameter's format (so writing the same values keeps the masters'
     precision); `model` (a ZeRO model chunk) takes the weights themselves. With remainders the
     written parameter is the master's upper half: an element keeps its remainder where the pair
-    still rounds to the parameter (a write of the same value), else the master is the written value."""
-    if remainders:
+    still rounds to the parameter (a write of the same value), else the master is the written value.
+    Without a master the written weights are all there is."""
+    if master_format == "none":
+        if model is not None:
+            model.copy_(weights)
+        return
+    if master_format == "bf16_remainder":
         if model is not None:
             model.copy_(weights)
         slots["master"].copy_(_formats.kept_remainders(weights, slots["master"]))
@@ -61,6 +67,7 @@ class Layout:
         self.world, self.rank, self.pg = world, rank, pg
         self.state_formats = formats
         self.remainders = formats.remainders
+        self.masterless = formats.masterless  # the parameter (or a ZeRO model chunk) is the weight
         self.formats = {name: formats.dtype(name) for name in SLOTS}  # slot -> the dtype it is stored in
         self.numels = [t.numel() for t in self.local]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
@@ -82,6 +89,8 @@ class Layout:
         the elements of parameter i from `offset` on (stochastic rounding's index: the element's
         in the whole parameter, the same on every rank)."""
         row = {name: slots[name].data_ptr() + slots[name].element_size() * at for name in SLOTS}
+        if self.masterless:
+            row["master"] = 0  # the library holds no master: the model copy is the weight
         row.update(grad=0, model=0 if model is None else model.data_ptr() + model.element_size() * at,
                    numel=length, group=self.group_of[i], duplicate=not in_norm, tensor_id=i + 1, offset=offset)
         return row
@@ -98,14 +107,17 @@ class Layout:
 
     def rebuilt_slots(self):
         """The slots shown otherwise than stored (rebuilt on each read: a copy)."""
-        return ("master",) if self.remainders else ()
+        return ("master",) if self.remainders or self.masterless else ()
 
     def shown(self, i, name):
         """Slot `name` of parameter i as users and checkpoints see it: the stored tensor itself, but
-        for a master kept as a remainder: the fp32 masters, rebuilt (a copy)."""
+        for a master kept as a remainder: the fp32 masters, rebuilt (a copy); without a master: the
+        weights' fp32 values (a copy)."""
         view = self.views(i).get(name)
-        if view is None or name != "master" or not self.remainders:
+        if view is None or name != "master" or not (self.remainders or self.masterless):
             return view
+        if self.masterless:
+            return view.float()
         return _formats.join(self.model_of(i), view)
 
     def saved(self):
@@ -182,7 +194,9 @@ class PerParameter(Layout):
             given = carried.get(p, {})
             slots = {}
             for name in SLOTS:
-                if name in given:
+                if name == "master" and self.masterless:
+                    slots[name] = w.detach()  # the parameter is the weight
+                elif name in given:
                     slots[name] = given[name]
                 elif name == "master" and not self.remainders:
                     slots[name] = w.detach() if self.fp32 else w.detach().float().contiguous().clone()
@@ -224,9 +238,9 @@ class PerParameter(Layout):
         return True
 
     def take(self, i):
-        if not self.fp32:
+        if not self.fp32 and not self.masterless:  # (without a master the parameter is the weight)
             _take({"master": self.state[i]["master"].view(-1)}, None, self.local[i].detach().reshape(-1),
-                  self.remainders)
+                  self.state_formats.master)
 
     def set_slot(self, i, name, value):
         """A slot of parameter i written (opt.state[p][name] = value, in the slot's shown dtype); a
@@ -238,6 +252,9 @@ class PerParameter(Layout):
 
     def write_master(self, i, master):
         param = self.local[i].detach()
+        if self.masterless:  # the weight: an fp32 master rounds once, to nearest even
+            param.copy_(master.view_as(param))
+            return
         if self.remainders:
             model, remainder = _formats.split(master)
             param.copy_(model.view_as(param))
@@ -308,8 +325,11 @@ class ZeroShard(Layout):
         carried = carried or {}
         self.chunk = _sharding.chunk_size(sum(self.numels), world)
         n = max(self.chunk, 1)
-        self.flat = {name: torch.zeros(n, dtype=self.formats[name], device=self.device) for name in SLOTS}
+        self.flat = {name: torch.zeros(n, dtype=self.formats[name], device=self.device)
+                     for name in SLOTS if name != "master" or not self.masterless}
         self.model = self.flat["master"] if self.fp32 else torch.zeros(n, dtype=self.dtype, device=self.device)
+        if self.masterless:
+            self.flat["master"] = self.model  # the model chunk is the weight
         self.gathered = torch.zeros(n * world, dtype=self.dtype, device=self.device)
         weights = [t.detach() for t in self.local]
         for i, off, length, at, _ in self.table:
@@ -367,7 +387,7 @@ class ZeroShard(Layout):
         flat = self.local[i].detach().reshape(-1)
         for off, length, at in self.pieces[i]:
             _take({"master": self.flat["master"][at:at + length]}, None if self.fp32 else self.model[at:at + length],
-                  flat[off:off + length], self.remainders)
+                  flat[off:off + length], self.state_formats.master)
 
     def set_slot(self, i, name, value):
         for off, length, at in self.pieces[i]:
@@ -380,6 +400,9 @@ class ZeroShard(Layout):
 
     def write_master(self, i, master):
         for _, length, at in self.pieces[i]:
+            if self.masterless:  # the weight: an fp32 master rounds once, to nearest even
+                self.model[at:at + length].copy_(master)
+                continue
             if self.remainders:
                 model, remainder = _formats.split(master)
                 self.model[at:at + length].copy_(model)

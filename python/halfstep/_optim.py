@@ -59,8 +59,8 @@ class _ParamState(dict):
     them, writes the optimizer's state), its step count (a copy the step refreshes: one
     applied-step counter for every parameter), and whatever keys the user adds. A master kept as
     the bfloat16 parameter and a remainder (store_param_remainders=True) is shown as fp32 masters
-    rebuilt on each read: a copy, which only assignment writes (step() refuses a copy written in
-    place)."""
+    rebuilt on each read, and without a master (master_weight_dtype=None) the weights' fp32 values:
+    a copy, which only assignment writes (step() refuses a copy written in place)."""
 
     def __init__(self, opt, index, views, rebuilt=()):
         super().__init__(views)
@@ -276,12 +276,17 @@ class FusedAdamW(torch.optim.Optimizer):
         itself (stepped in place) and an int16 remainder rebuild it exactly, 2 bytes per parameter
         instead of 4, with bitwise the results of fp32 masters. opt.state[p]['master'] and
         state_dict() show the rebuilt fp32 masters. False or None (the default): fp32 masters.
+    master_weight_dtype: torch.float32 (the default) keeps a master (fp32, or a remainder); None,
+        for bfloat16 parameters, keeps none: the step's fp32 result is written to the parameter
+        with the rounding below (stochastic by default, keyed as the moments' bits), 4 bytes per
+        parameter less than fp32 masters. opt.state[p]['master'] and state_dict() show the
+        parameter's values in fp32; a state_dict with fp32 masters loads (rounded to nearest).
     exp_avg_dtype, exp_avg_sq_dtype: torch.float32 (the default) or torch.bfloat16: the moments
         held in bfloat16, decoded and encoded inside the fused step (2 bytes each instead of 4).
-    rounding: how bfloat16 moments are stored: 'stochastic' (the default: unbiased, so that
-        exp_avg_sq keeps moving when a step's change is below half a bf16 ulp; its bits a hash of
-        seed, step, parameter and element, the same on any number of ranks and after a resume) or
-        'nearest'.
+    rounding: how bfloat16 moments (and weights without a master) are stored: 'stochastic' (the
+        default: unbiased, so that exp_avg_sq and the weights keep moving when a step's change is
+        below half a bf16 ulp; its bits a hash of seed, step, parameter and element, the same on
+        any number of ranks and after a resume) or 'nearest'.
     seed: the key of stochastic rounding's bits (an integer in [0, 2^64); the state_dict carries it).
     process_group: a torch.distributed group whose ranks take one step together: they all-reduce
         the step's totals record, so every rank takes the same decision with the same global norm
@@ -311,7 +316,7 @@ class FusedAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, max_grad_norm=0.0,
                  scaler=None, spike=None, compute_dtype=torch.float16, process_group=None, shard=None,
                  store_param_remainders=None, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
-                 rounding="stochastic", seed=0):
+                 rounding="stochastic", seed=0, master_weight_dtype=torch.float32):
         self._built = False
         params = _listed(params, process_group is not None)
         self._pg, self._shard_wanted = process_group, shard
@@ -336,7 +341,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise ValueError("FusedAdamW: compute_dtype must be torch.float16, torch.bfloat16 or torch.float32, "
                                  "got %r" % (compute_dtype,))
             self._state_options = dict(store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
-                                       exp_avg_sq_dtype=exp_avg_sq_dtype, rounding=rounding, seed=seed)
+                                       exp_avg_sq_dtype=exp_avg_sq_dtype, rounding=rounding, seed=seed,
+                                       master_weight_dtype=master_weight_dtype)
             self._scaling = _scaling.LossScaling(rules_given=scaler is not None)
             self._scaler_options = scaler
             key = self._construct(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -845,10 +851,12 @@ class FusedAdamW(torch.optim.Optimizer):
         self._copies = [[entry[0], entry[1], _weakref.ref(t), entry[3]] for entry, t in kept]
         if written:
             i, name = written[0][0][0], written[0][0][1]
-            raise RuntimeError("opt.state[p][%r] of parameter %d was written in place, but it is a copy: with "
-                               "store_param_remainders=True the master is the bfloat16 parameter and an int16 "
-                               "remainder, rebuilt in fp32 when read. Assign it instead (opt.state[p][%r] = t); "
-                               "nothing was stepped" % (name, i, name))
+            held = ("with master_weight_dtype=None there is no master: the bfloat16 parameter is the weight, "
+                    "shown in fp32 when read" if self._formats.masterless else
+                    "with store_param_remainders=True the master is the bfloat16 parameter and an int16 remainder, "
+                    "rebuilt in fp32 when read")
+            raise RuntimeError("opt.state[p][%r] of parameter %d was written in place, but it is a copy: %s. Assign it "
+                               "instead (opt.state[p][%r] = t); nothing was stepped" % (name, i, held, name))
 
     def _reset_moments(self):
         """opt.state emptied: every parameter's moments are zero and every group's bias

@@ -1,13 +1,15 @@
 """One rank of test_lean.py: FusedAdamW with lean state (bfloat16 parameters with int16 remainders,
-bfloat16 moments rounded stochastically) over a process group, on gloo (CPU).
+or without a master, bfloat16 moments rounded stochastically) over a process group, on gloo (CPU).
 
 usage: lean_worker.py RANK WORLD MODE INIT_FILE OUT_FILE [CHECKPOINT_DIR [OTHER_CHECKPOINT_DIR]]
 
 MODE zero: plain bfloat16 parameters, ZeRO-1 (shard=True) and replicated (shard=False), STEPS steps
-of the same gradients on every rank (an inf in one step). MODE fsdp: a bfloat16 model under FSDP2
-(fully_shard) on a 1-D mesh of WORLD ranks, STEPS steps on the same batch everywhere, its state
-saved with torch.distributed.checkpoint into CHECKPOINT_DIR and, given OTHER_CHECKPOINT_DIR
-(written on another number of ranks), loaded from there into optimizers of every format.
+of the same gradients on every rank (an inf in one step), with remainders and without a master.
+MODE fsdp: a bfloat16 model under FSDP2 (fully_shard) on a 1-D mesh of WORLD ranks, STEPS steps on
+the same batch everywhere in every format, the remainder and the master-free states saved with
+torch.distributed.checkpoint into CHECKPOINT_DIR/<format> and, given OTHER_CHECKPOINT_DIR (written
+on another number of ranks), loaded from there: the remainder state into optimizers of every
+format, the master-free one into its own.
 """
 
 import sys
@@ -22,8 +24,11 @@ from helpers import fresh_params, leave_process_group, scaled_grads
 SHAPES = [(7, 5), (33,), (4, 4, 3), (1,), (40, 3)]
 STEPS = 8
 LEAN = dict(store_param_remainders=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, seed=11)
+MASTERLESS = dict(master_weight_dtype=None, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, seed=11)
 FORMATS = {"lean": LEAN, "f32": {},
-           "bf16 moments": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, seed=11)}
+           "bf16 moments": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, seed=11),
+           "masterless": MASTERLESS}
+SAVED = ("lean", "masterless")  # the formats whose checkpoints load on another number of ranks
 
 
 def make(params, pg, shard, **kw):
@@ -46,10 +51,11 @@ def train(params, opt, steps=range(STEPS)):
 
 
 def zero(out, world):
-    for shard in (True, False):
-        params = fresh_params(SHAPES, torch.bfloat16, seed=5)
-        opt = make(params, dist.group.WORLD, shard, **LEAN)
-        out[shard] = dict(reports=train(params, opt), params=[p.detach().clone() for p in params])
+    for name in SAVED:
+        for shard in (True, False):
+            params = fresh_params(SHAPES, torch.bfloat16, seed=5)
+            opt = make(params, dist.group.WORLD, shard, **FORMATS[name])
+            out[name, shard] = dict(reports=train(params, opt), params=[p.detach().clone() for p in params])
 
 
 IN, HIDDEN, OUT, BATCH = 16, 24, 5, 8
@@ -98,18 +104,20 @@ def fsdp(out, world, checkpoint, other):
         state = opt.state_dict()
         out[name] = dict(reports=reports, params=[full(p) for p in model.parameters()],
                          saved={i: {k: full(v) for k, v in e.items()} for i, e in state["state"].items()})
-        if name == "lean":
-            dcp.save({"model": model.state_dict(), "optim": state}, checkpoint_id=checkpoint)
+        if name in SAVED:
+            dcp.save({"model": model.state_dict(), "optim": state}, checkpoint_id=checkpoint + "/" + name)
             out[name]["next"] = train_model(model, opt, range(STEPS, STEPS + 3))
             out[name]["next_params"] = [full(p) for p in model.parameters()]
     if other:
-        # The lean checkpoint of another number of ranks, into an optimizer of each format here.
+        # The remainder checkpoint of another number of ranks, into an optimizer of each format
+        # here; the master-free one into its own format ("masterless from masterless").
         out["loaded"] = {}
-        for name, kw in FORMATS.items():
+        for name, kw, source in [(n, kw, "lean") for n, kw in FORMATS.items()] + [
+                ("masterless from masterless", MASTERLESS, "masterless")]:
             fresh = sharded(mesh, seed=11)
             fresh_opt = FusedAdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.8, **kw)
             target = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
-            dcp.load(target, checkpoint_id=other)
+            dcp.load(target, checkpoint_id=other + "/" + source)
             fresh.load_state_dict(target["model"])
             fresh_opt.load_state_dict(target["optim"])
             out["loaded"][name] = dict(

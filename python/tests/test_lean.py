@@ -1,6 +1,7 @@
 """Lean optimizer state in halfstep.torch: bfloat16 parameters with int16 remainders instead of fp32
-masters (store_param_remainders=True), bfloat16 moments (exp_avg_dtype, exp_avg_sq_dtype), their
-state_dicts and conversions, and the same on ranks (lean_worker.py: ZeRO-1 and FSDP2 on gloo)."""
+masters (store_param_remainders=True) or with no master (master_weight_dtype=None), bfloat16 moments
+(exp_avg_dtype, exp_avg_sq_dtype), their state_dicts and conversions, and the same on ranks
+(lean_worker.py: ZeRO-1 and FSDP2 on gloo)."""
 
 import pytest
 
@@ -12,6 +13,7 @@ from halfstep.torch import FusedAdamW  # noqa: E402
 
 BF16 = torch.bfloat16
 LEAN = dict(store_param_remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+MASTERLESS = dict(master_weight_dtype=None, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
 
 
 def run(steps, params=None, opt=None, start=0, **kw):
@@ -99,15 +101,16 @@ def test_what_lean_state_cannot_serve_is_refused_by_name():
 
 
 FORMATS = {"fp32": {}, "remainders": dict(store_param_remainders=True),
-           "bf16 moments": dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), "lean": LEAN}
+           "bf16 moments": dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), "lean": LEAN, "masterless": MASTERLESS}
 
 
 @pytest.mark.parametrize("saved", list(FORMATS))
 @pytest.mark.parametrize("loaded", list(FORMATS))
 def test_state_dicts_load_into_every_format(saved, loaded):
-    # fp32 masters in every state_dict (exact, from remainders too); moments converted: fp32 into
-    # bf16 rounds once to nearest even, bf16 into fp32 is exact. Into its own format a state_dict
-    # resumes bit for bit.
+    # fp32 masters in every state_dict (exact, from remainders too; without a master, the weights'
+    # values); moments converted: fp32 into bf16 rounds once to nearest even, bf16 into fp32 is
+    # exact; an fp32 master loaded where there is none rounds to nearest even. Into its own format
+    # a state_dict resumes bit for bit.
     params, opt, _ = run(6, **FORMATS[saved])
     sd = opt.state_dict()
     rest = run(4, params, opt, start=6)
@@ -115,7 +118,10 @@ def test_state_dicts_load_into_every_format(saved, loaded):
     other = W.make(fresh, None, None, **FORMATS[loaded])
     other.load_state_dict(sd)
     for i, p in enumerate(fresh):
-        assert torch.equal(other.state[p]["master"], sd["state"][i]["master"])
+        master = sd["state"][i]["master"]
+        if loaded == "masterless":
+            master = master.to(BF16).float()
+        assert torch.equal(other.state[p]["master"], master)
         assert torch.equal(p.detach(), sd["state"][i]["master"].to(BF16))
         for key in ("exp_avg", "exp_avg_sq"):
             want = sd["state"][i][key].to(other.state[p][key].dtype)
@@ -194,17 +200,19 @@ def test_zero1_and_replicated_lean_state_steps_bitwise_like_one_process(world, t
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    params = fresh_params(W.SHAPES, BF16, seed=5)
-    opt = W.make(params, None, None, **W.LEAN)
-    reports = [without(r) for r in W.train(params, opt)]
-    assert [r["outcome"] for r in reports].count("applied") == W.STEPS - 1
     results = launch(world, "zero", tmp_path)
-    for shard in (True, False):
-        # (Replicated, every rank holding the inf counts it: nonfinite_count is the world's.)
-        mine = ("held_elements", "first_nonfinite_rank") + (() if shard else ("nonfinite_count",))
-        for r in results:
-            assert [without(x, *mine) for x in r[shard]["reports"]] == [without(x, *mine) for x in reports], shard
-            assert same(r[shard]["params"], [p.detach() for p in params]), shard
+    for name in W.SAVED:  # remainders, and no master
+        params = fresh_params(W.SHAPES, BF16, seed=5)
+        opt = W.make(params, None, None, **W.FORMATS[name])
+        reports = [without(r) for r in W.train(params, opt)]
+        assert [r["outcome"] for r in reports].count("applied") == W.STEPS - 1
+        for shard in (True, False):
+            # (Replicated, every rank holding the inf counts it: nonfinite_count is the world's.)
+            mine = ("held_elements", "first_nonfinite_rank") + (() if shard else ("nonfinite_count",))
+            for r in results:
+                got = r[name, shard]
+                assert [without(x, *mine) for x in got["reports"]] == [without(x, *mine) for x in reports], (name, shard)
+                assert same(got["params"], [p.detach() for p in params]), (name, shard)
 
 
 try:
@@ -252,13 +260,21 @@ def test_fsdp2_lean_checkpoint_saved_on_n_ranks_loads_on_m_in_every_format(fsdp_
         for name in W.FORMATS:
             got = r["loaded"][name]
             for i, entry in source["saved"].items():
-                assert torch.equal(got["state"][i]["master"], entry["master"]), (name, i)
+                master = entry["master"].to(BF16).float() if name == "masterless" else entry["master"]
+                assert torch.equal(got["state"][i]["master"], master), (name, i)
                 for key in ("exp_avg", "exp_avg_sq"):
                     assert torch.equal(got["state"][i][key], entry[key].to(got["state"][i][key].dtype)), (name, key)
             if name == "lean":  # its own format: resumed bit for bit, on another number of ranks
                 assert [without(x, "held_elements", "first_nonfinite_rank") for x in got["next"]] == \
                     [without(x, "held_elements", "first_nonfinite_rank") for x in source["next"]]
                 assert same(got["params"], source["next_params"])
+        # The master-free checkpoint into its own format: the same state, resumed bit for bit.
+        masterless, got = fsdp_runs[saved][0]["masterless"], r["loaded"]["masterless from masterless"]
+        for i, entry in masterless["saved"].items():
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(got["state"][i][key], entry[key]), (i, key)
+        assert reports_of(dict(reports=got["next"])) == reports_of(dict(reports=masterless["next"]))
+        assert same(got["params"], masterless["next_params"])
 
 
 def test_zeros_written_through_data_with_remainders_are_the_masters():
@@ -347,3 +363,86 @@ def test_small_refusals_say_what_is_wrong():
     for copied in (copy.deepcopy(opt.state), pickle.loads(pickle.dumps(opt.state))):
         entry = copied[next(k for k in copied if isinstance(k, torch.Tensor) and k.shape == params[0].shape)]
         assert entry["master"].dtype == torch.float32 and entry["exp_avg"].dtype == BF16
+
+
+# -- no master (master_weight_dtype=None) ------------------------------------------------------------
+
+
+def test_without_a_master_the_parameter_is_the_weight():
+    # opt.state[p]['master'] shows the parameter's own values in fp32 (a copy); each step is the
+    # fp32-master step from the same weights, its result rounded once into the parameter (to one
+    # of the two bf16 values around it): it stays within a bf16 ulp of a step with fp32 masters
+    # restarted from the same weights and moments.
+    params, opt, reports = run(3, **MASTERLESS)
+    assert [r["outcome"] for r in reports].count("applied") == 3
+    for p in params:
+        entry = opt.state[p]
+        assert entry["master"].dtype == torch.float32 and torch.equal(entry["master"], p.detach().float())
+    wide = W.make(fresh_params(W.SHAPES, BF16, seed=4), None, None, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+    wide.load_state_dict(opt.state_dict())
+    before = [p.detach().float() for p in params]
+    run(1, params, opt, start=3)
+    fresh = [p for g in wide.param_groups for p in g["params"]]
+    run(1, fresh, wide, start=3)
+    for p, q, b in zip(params, fresh, before):
+        exact = wide.state[q]["master"]
+        ulp = torch.where(exact.abs() >= 2.0 ** -126, 2.0 ** (torch.floor(torch.log2(exact.abs())) - 7), 2.0 ** -133)
+        assert bool(((p.detach().float() - exact).abs() < ulp).all())
+    assert any(not torch.equal(p.detach().float(), b) for p, b in zip(params, before))
+
+
+def test_without_a_master_stochastic_rounding_keeps_small_updates_and_nearest_loses_them():
+    # 4096 weights at 1.5 (bf16 ulp 2^-7), lr 2^-11 (Adam's update under a constant gradient: a
+    # sixteenth of an ulp) for 64 steps: to nearest nothing moves; stochastically the mean moves
+    # by 64 * 2^-11 = 2^-5 within 6 standard errors (2^-11 each, see test_state.cpp).
+    def moved(rounding):
+        w = torch.nn.Parameter(torch.full((4096,), 1.5, dtype=BF16))
+        opt = FusedAdamW([w], lr=2.0 ** -11, weight_decay=0.0, master_weight_dtype=None, rounding=rounding, seed=3)
+        for _ in range(64):
+            w.grad = torch.full_like(w, 0.25)
+            opt.step()
+        return 1.5 - float(w.detach().double().mean())
+    assert moved("nearest") == 0.0
+    assert abs(moved("stochastic") - 2.0 ** -5) < 6 * 2.0 ** -11
+
+
+def test_without_a_master_resumes_bit_for_bit_with_the_saved_seed():
+    params, opt, _ = run(5, seed=77, **MASTERLESS)
+    sd = opt.state_dict()
+    assert halfstep_entry(sd)["state_format"]["master"] == "none"
+    _, _, rest = run(5, params, opt, start=5)
+    straight = [p.detach().clone() for p in params]
+    fresh = fresh_params(W.SHAPES, BF16, seed=7)
+    other = W.make(fresh, None, None, seed=99, **MASTERLESS)
+    other.load_state_dict(sd)
+    _, _, again = run(5, fresh, other, start=5)
+    assert again == rest and same(fresh, straight)
+    a, _, _ = run(5, seed=1, master_weight_dtype=None)
+    b, _, _ = run(5, seed=2, master_weight_dtype=None)
+    assert not same(a, b)  # another seed rounds the weights otherwise
+
+
+def test_without_a_master_what_cannot_be_served_is_refused_by_name():
+    with pytest.raises(ValueError, match="master_weight_dtype=None: .*float16"):
+        FusedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))], master_weight_dtype=None)
+    with pytest.raises(ValueError, match="master_weight_dtype=None: .*their own fp32 masters"):
+        FusedAdamW([torch.nn.Parameter(torch.zeros(3))], master_weight_dtype=None)
+    with pytest.raises(ValueError, match="store_param_remainders=True keeps a master .*choose one"):
+        FusedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=BF16))], master_weight_dtype=None,
+                   store_param_remainders=True)
+    with pytest.raises(ValueError, match="master_weight_dtype must be torch.float32 .* or None"):
+        FusedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=BF16))], master_weight_dtype=torch.bfloat16)
+
+
+def test_without_a_master_a_copy_written_in_place_is_refused_and_weights_written_are_taken():
+    params, opt, _ = run(2, **MASTERLESS)
+    shown = opt.state[params[0]]["master"]
+    shown.add_(1.0)
+    with pytest.raises(RuntimeError, match="master_weight_dtype=None there is no master"):
+        run(1, params, opt, start=2)
+    params, opt, _ = run(2, **MASTERLESS)
+    with torch.no_grad():
+        params[1].copy_(torch.full_like(params[1], 0.375))
+    assert torch.equal(opt.state[params[1]]["master"], torch.full(params[1].shape, 0.375))
+    opt.state[params[0]]["master"] = torch.full(params[0].shape, 0.1)  # assigned: rounded into the weight
+    assert torch.equal(params[0].detach(), torch.full(params[0].shape, 0.1).to(BF16))
