@@ -83,16 +83,25 @@ struct Span {
   const char* field;
 };
 
+// Why a buffer may not be null, for the message: the model copy under a master format that reads it.
+const char* needed_because(const StepConfig& config, Slot slot) {
+  if (slot != Slot::model) return "";
+  return config.state.master == MasterFormat::none ? " (StepConfig.state.master = none: the bf16 model copy is the weight)"
+         : config.state.master == MasterFormat::bf16_remainder
+             ? " (StepConfig.state.master = bf16_remainder: the bf16 model copy is half of the master)"
+             : "";
+}
+
 void check_buffer(std::vector<Span>& spans, std::size_t t, const char* field, const void* ptr,
-                  std::int64_t numel, std::size_t elem_bytes, bool may_be_null) {
-  if (numel == 0) return;
-  if (elem_bytes == 0) {  // a buffer the state format does not have
+                  std::int64_t numel, std::size_t elem_bytes, bool may_be_null, const char* because = "") {
+  if (elem_bytes == 0) {  // a buffer the state format does not have, also for an empty tensor
     require(ptr == nullptr, "tensors[", t, "].", field, " must be null: StepConfig.state.master = none has no master ",
             "(the bf16 model copy is the weight), got ", ptr);
     return;
   }
+  if (numel == 0) return;
   if (ptr == nullptr) {
-    require(may_be_null, "tensors[", t, "].", field, " is null but numel = ", numel, " > 0");
+    require(may_be_null, "tensors[", t, "].", field, " is null but numel = ", numel, " > 0", because);
     return;
   }
   const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
@@ -123,7 +132,8 @@ void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config)
     require(p.offset >= 0 && p.offset <= INT64_MAX - p.numel, "tensors[", t,
             "].offset must be >= 0 and offset + numel must fit an int64, got offset ", p.offset);
     for (const SlotLayout& s : slots) {  // a null gradient: none this step
-      check_buffer(spans, t, s.name, slot_pointer(p, s.slot), p.numel, s.element_bytes, s.nullable);
+      check_buffer(spans, t, s.name, slot_pointer(p, s.slot), p.numel, s.element_bytes, s.nullable,
+                   needed_because(config, s.slot));
     }
   }
   // Two buffers of one step overlapping would make the update depend on the order of writes.

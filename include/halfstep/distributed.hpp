@@ -105,7 +105,7 @@ struct Shard {
 /// group, duplicate, tensor_id and offset are read) at [begin, end), which may fall anywhere inside
 /// tensors. `flat` holds this rank's five buffers for exactly that range (flat.numel == end - begin,
 /// each in its slot's format under `config`: slot_layouts; flat.model may be null unless the
-/// masters are remainders) — e.g. the output of a reduce-scatter of the flat gradients, and the
+/// masters are remainders or there is no master, and flat.master is null then) — e.g. the output of a reduce-scatter of the flat gradients, and the
 /// rank's slices of the masters and moments. Each piece keeps its tensor's identity for
 /// stochastic rounding (tensor_id: 1 + its index in `layout` unless set; offset: where the piece
 /// starts in the tensor), so a sharded step rounds every element as an unsharded one. Tensors of
