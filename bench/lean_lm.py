@@ -10,7 +10,8 @@ Runs, the same seed (weights, batches) unless noted:
 - halfstep.torch.FusedAdamW on the model in bfloat16 (parameters, activations, gradients), one run
   per state format: fp32 masters and moments (the default), remainders (store_param_remainders),
   bf16 moments rounded stochastically and to nearest, and all lean (remainders + bf16 moments,
-  stochastic); fp32 and all lean again on seeds 1 and 2, to tell a cost from noise.
+  stochastic); fp32 and all lean again on seeds 1 and 2, to tell a cost from noise; no master (bf16
+  weights rounded stochastically, bf16 moments) on seeds 0, 1 and 2, and rounded to nearest.
 
 Each run records the training loss every step and the loss on held-out files at the end (the same
 batches for every run). Writes RESULTS_DIR/lean_lm.json; with matplotlib, the curves in
@@ -118,6 +119,13 @@ def runs(torch):
     for s in (1, 2):  # the same pair on other seeds: is lean state's difference a cost or noise?
         out["halfstep fp32 master + moments, seed %d" % s] = {"kind": "halfstep", "seed": s}
         out["halfstep lean, seed %d" % s] = dict(out["halfstep lean (remainders + bf16 moments)"], seed=s)
+    # No master: the bf16 weights updated with stochastic rounding (and bf16 moments), on the same
+    # three seeds; and rounded to nearest, which loses every update below half a bf16 ulp.
+    no_master = dict(master_weight_dtype=None, exp_avg_dtype=bf16, exp_avg_sq_dtype=bf16)
+    out["halfstep no master + bf16 moments"] = {"kind": "halfstep", "options": no_master}
+    for s in (1, 2):
+        out["halfstep no master, seed %d" % s] = {"kind": "halfstep", "options": no_master, "seed": s}
+    out["halfstep no master, nearest"] = {"kind": "halfstep", "options": dict(no_master, rounding="nearest")}
     return out
 
 

@@ -44,3 +44,6 @@ def test_readme_lean_state_snippet_builds_the_formats_it_names():
                                                 exp_avg_sq="bf16"))
     assert (lean["state"], lean["state"] + lean["gradient"] + lean["model"], lean["moved"]) == (6, 10, 20), lean
     assert "| 10 | 20 |" in text  # the README's table says so
+    bare = halfstep.state_bytes(halfstep.config(dtype="bfloat16", master="none", exp_avg="bf16", exp_avg_sq="bf16"))
+    assert (bare["state"], bare["state"] + bare["gradient"] + bare["model"], bare["moved"]) == (4, 8, 16), bare
+    assert "| none, bf16 | 4 | 8 | 16 |" in text  # the row without a master
