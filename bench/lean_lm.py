@@ -17,7 +17,8 @@ Each run records the training loss every step and the loss on held-out files at 
 batches for every run). Writes RESULTS_DIR/lean_lm.json; with matplotlib, the curves in
 RESULTS_DIR/lean_lm.png (--plot-only redraws them from the JSON).
 
-usage: bench/lean_lm.py [--steps 300] [--out DIR] [--runs NAME,...] [--resume] [--plot-only]
+usage: bench/lean_lm.py [--steps 300] [--out DIR] [--runs "NAME;..."] [--held-out-batches 16] [--resume]
+                        [--plot-only]
 """
 
 import glob
@@ -66,7 +67,7 @@ def loss_of(torch, model, x, y):
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1))
 
 
-def train(torch, name, spec, steps, train_data, held_data):
+def train(torch, name, spec, steps, train_data, held_data, held_batches=16):
     seed = spec.get("seed", 0)
     if spec["kind"] == "torch":
         model = model_of(torch, seed, torch.float32)
@@ -90,7 +91,7 @@ def train(torch, name, spec, steps, train_data, held_data):
         losses.append(loss.item())
     with torch.no_grad():
         held = []
-        for x, y in batches(torch, held_data, 7, 16):
+        for x, y in batches(torch, held_data, 7, held_batches):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["kind"] == "torch"):
                 held.append(float(loss_of(torch, model, x, y)))
     result = {"losses": losses, "held_out": sum(held) / len(held), "seconds": time.time() - started,
@@ -154,7 +155,9 @@ def plot(results, path):
 
 def main():
     def extra(ap):
-        ap.add_argument("--runs", help="only these runs (comma-separated names)")
+        ap.add_argument("--runs", help="only these runs (names separated by ';')")
+        ap.add_argument("--held-out-batches", type=int, default=16,
+                        help="batches of held-out files the final loss is measured on (default 16)")
         ap.add_argument("--resume", action="store_true", help="keep the runs already in the JSON file; train the rest")
     args = benchlib.arguments(__doc__, "lean_lm", 300, extra)
     json_path = args.json
@@ -166,15 +169,20 @@ def main():
     train_data, held_data = corpus()
     wanted = runs(torch)
     if args.runs:
-        wanted = {k: v for k, v in wanted.items() if k in args.runs.split(",")}
+        names = args.runs.split(";")
+        unknown = [n for n in names if n not in wanted]
+        if unknown:
+            sys.exit("--runs: no run named %s; the runs are: %s" % (", ".join(map(repr, unknown)), "; ".join(wanted)))
+        wanted = {k: v for k, v in wanted.items() if k in names}
     results = {"steps": args.steps, "config": CONFIG, "batch": BATCH, "context": CONTEXT, "lr": LR,
                "weight_decay": WD, "clip": CLIP, "torch": torch.__version__, "corpus_bytes": len(train_data),
-               "runs": {}}
+               "held_out_batches": args.held_out_batches, "runs": {}}
     if args.resume and os.path.exists(json_path):
         with open(json_path) as f:
             saved = json.load(f)
         same = all(saved.get(k) == results[k] for k in ("steps", "batch", "context", "lr", "weight_decay", "clip",
                                                         "corpus_bytes"))
+        same = same and saved.get("held_out_batches", 16) == args.held_out_batches
         if not same:
             sys.exit("--resume: %s was written with other settings; remove it or drop --resume" % json_path)
         results = saved
@@ -184,7 +192,7 @@ def main():
         if name in results["runs"]:
             print("%-32s kept from %s" % (name, json_path))
             continue
-        result = train(torch, name, spec, args.steps, train_data, held_data)
+        result = train(torch, name, spec, args.steps, train_data, held_data, args.held_out_batches)
         if "weights" in result:
             torch.save(result.pop("weights"), os.path.join(weights_dir, name.replace(" ", "_") + ".pt"))
         results["runs"][name] = result
