@@ -194,7 +194,7 @@ struct MasterCodec<MasterFormat::bf16_remainder, DType::bf16> {
 /// state's rounding (stochastic: `random` holds 16 uniform bits of the weight's own draw).
 template <>
 struct MasterCodec<MasterFormat::none, DType::bf16> {
-  using Stored = std::uint16_t;  // nothing is stored: a placeholder no access reads or writes
+  using Stored = std::uint16_t;  // the type of an absent buffer: pass 2 never loads or stores it (kStored)
   static constexpr bool kStored = false;
   static constexpr bool kReadsModel = true;
   static constexpr bool kRounds = true;
