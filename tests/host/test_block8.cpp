@@ -1,0 +1,278 @@
+// The block-wise 8-bit moment codec (kernels/block8.hpp): the two dynamic maps, encoding one value
+// to nearest and stochastically, a block's scale and codes, and where a tensor's blocks lie.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "block8.hpp"
+
+namespace {
+
+using namespace halfstep::detail;
+
+// The codes of every value nearest x (one, or two at a tie), found by looking at all 256.
+std::vector<int> nearest_codes(const Map8& map, float x) {
+  double best = INFINITY;
+  std::vector<int> codes;
+  for (int c = 0; c < 256; ++c) {
+    const double d = std::fabs(static_cast<double>(map.value[c]) - static_cast<double>(x));
+    if (d < best) {
+      best = d;
+      codes = {c};
+    } else if (d == best) {
+      codes.push_back(c);
+    }
+  }
+  return codes;
+}
+
+}  // namespace
+
+TEST_CASE("8-bit maps: 256 ascending values, seven decades, 0 and 1 exact", "[block8]") {
+  for (const Map8* map : {&kSignedMap8, &kUnsignedMap8}) {
+    for (int c = 1; c < 256; ++c) REQUIRE(map->value[c - 1] < map->value[c]);
+    REQUIRE(map->value[255] == 1.0f);
+  }
+  REQUIRE(kSignedMap8.value[kSignedZero8] == 0.0f);
+  REQUIRE(kUnsignedMap8.value[kUnsignedZero8] == 0.0f);
+  // The extremes: the top decade's last midpoint (64 cells signed, 128 unsigned) and the bottom
+  // decade's first (1 cell signed, 2 unsigned), rounded once to fp32.
+  REQUIRE(kSignedMap8.value[0] == static_cast<float>(-(0.1 + 0.9 * 63.5 / 64)));
+  REQUIRE(kSignedMap8.value[254] == static_cast<float>(0.1 + 0.9 * 63.5 / 64));
+  REQUIRE(kSignedMap8.value[128] == static_cast<float>((0.1 + 0.9 * 0.5) * 1e-6));
+  REQUIRE(kUnsignedMap8.value[1] == static_cast<float>((0.1 + 0.9 * 0.5 / 2) * 1e-6));
+  REQUIRE(kUnsignedMap8.value[254] == static_cast<float>(0.1 + 0.9 * 127.5 / 128));
+  // The signed map is symmetric but for +1.
+  for (int c = 0; c < 127; ++c) REQUIRE(kSignedMap8.value[c] == -kSignedMap8.value[254 - c]);
+  // Within a decade the grid is linear: 64 signed cells between 0.1 and 1 have steps of 0.9/64.
+  REQUIRE(std::fabs(kSignedMap8.value[200] - kSignedMap8.value[199] - 0.9 / 64) < 1e-7);
+}
+
+TEST_CASE("8-bit encode to nearest: every code round-trips, every value goes to a nearest code", "[block8]") {
+  for (const Map8* map : {&kSignedMap8, &kUnsignedMap8}) {
+    for (int c = 0; c < 256; ++c) REQUIRE(encode8(map->value, map->value[c], false, 0u, false) == c);
+    std::mt19937 gen(31);
+    std::uniform_real_distribution<float> unit(map == &kSignedMap8 ? -1.0f : 0.0f, 1.0f);
+    std::uniform_real_distribution<float> decades(-8.0f, 0.0f);
+    for (int i = 0; i < 20000; ++i) {
+      // Half uniform, half log-uniform over eight decades (and its sign for the signed map).
+      float x = unit(gen);
+      if (i % 2 == 1) x = std::copysign(std::pow(10.0f, decades(gen)), map == &kSignedMap8 ? x : 1.0f);
+      const std::vector<int> best = nearest_codes(*map, x);
+      const int got = encode8(map->value, x, false, 0u, false);
+      INFO("x = " << x);
+      if (best.size() == 1) {
+        REQUIRE(got == best[0]);
+      } else {
+        REQUIRE(got == (best[0] % 2 == 0 ? best[0] : best[1]));  // a tie goes to the even code
+      }
+    }
+    // Midpoints between neighbours are ties: the even code.
+    for (int c = 0; c < 255; ++c) {
+      const float lo = map->value[c], hi = map->value[c + 1];
+      const float mid = lo + (hi - lo) / 2;
+      if (mid - lo != hi - mid) continue;  // not exactly halfway in fp32
+      REQUIRE(encode8(map->value, mid, false, 0u, false) == (c % 2 == 0 ? c : c + 1));
+    }
+  }
+  // Beyond the ends: the end codes (the signed map's -1 goes to its lowest value).
+  REQUIRE(encode8(kSignedMap8.value, -1.0f, false, 0u, false) == 0);
+  REQUIRE(encode8(kSignedMap8.value, 1.0000001f, false, 0u, false) == 255);
+  REQUIRE(encode8(kUnsignedMap8.value, 1.0000001f, false, 0u, false) == 255);
+}
+
+TEST_CASE("8-bit stochastic encode: one of the two neighbours, up as often as x lies past the lower", "[block8]") {
+  std::mt19937 gen(32);
+  for (const Map8* map : {&kSignedMap8, &kUnsignedMap8}) {
+    std::uniform_int_distribution<int> code(0, 254);
+    std::uniform_real_distribution<float> frac(0.0f, 1.0f);
+    for (int trial = 0; trial < 200; ++trial) {
+      const int c = code(gen);
+      const float lo = map->value[c], hi = map->value[c + 1];
+      const float x = lo + (hi - lo) * frac(gen);
+      if (!(x > lo && x < hi)) continue;
+      // Every one of the 2^16 random values, counted: the share that rounds up is the share of
+      // the gap x lies past lo, to within one random value (2^-16) and fp32's rounding of it.
+      std::int64_t ups = 0;
+      for (std::uint32_t r = 0; r < 65536u; ++r) {
+        const int got = encode8(map->value, x, true, r, false);
+        REQUIRE((got == c || got == c + 1));
+        ups += got == c + 1 ? 1 : 0;
+      }
+      const double want = (static_cast<double>(x) - lo) / (static_cast<double>(hi) - lo);
+      INFO("code " << c << ", x = " << x);
+      REQUIRE(std::fabs(static_cast<double>(ups) / 65536.0 - want) <= 2.0 / 65536.0 + want * 0x1p-22);
+      // The bits used are the low 16: the high half changes nothing.
+      REQUIRE(encode8(map->value, x, true, 0x1234u, false) == encode8(map->value, x, true, 0xABCD1234u, false));
+    }
+    // A value on the map stays put whatever the bits.
+    for (std::uint32_t r : {0u, 0x7FFFu, 0xFFFFu}) REQUIRE(encode8(map->value, map->value[77], true, r, false) == 77);
+  }
+}
+
+TEST_CASE("8-bit never_zero: a positive square root never decodes to 0", "[block8]") {
+  const float* map = kUnsignedMap8.value;
+  for (float x : {1e-30f, 1e-12f, 1e-8f, 1.6e-7f}) {
+    REQUIRE(encode8(map, x, false, 0u, false) == 0);  // below half the smallest positive value
+    REQUIRE(encode8(map, x, false, 0u, true) == 1);
+    for (std::uint32_t r : {0u, 0xFFFFu}) REQUIRE(encode8(map, x, true, r, true) == 1);
+  }
+  REQUIRE(encode8(map, 0.0f, false, 0u, true) == 0);  // 0 stays 0
+  REQUIRE(encode8(map, 0.0f, true, 0xFFFFu, true) == 0);
+}
+
+TEST_CASE("8-bit block: absmax scale, the largest value exact, zeros, flushes and non-finite refusal", "[block8]") {
+  std::mt19937 gen(33);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(256);
+  std::vector<std::uint32_t> random(256);
+  for (int n : {1, 37, 255, 256}) {
+    for (int i = 0; i < n; ++i) {
+      x[static_cast<std::size_t>(i)] = normal(gen) * 1e-3f;
+      random[static_cast<std::size_t>(i)] = static_cast<std::uint32_t>(gen());
+    }
+    x[static_cast<std::size_t>(n / 2)] = 5e-3f;  // the absmax, positive
+    for (bool stochastic : {false, true}) {
+      std::uint8_t codes[256];
+      float scale = -1.0f;
+      REQUIRE(encode_block8(kSignedMap8.value, x.data(), n, stochastic, random.data(), 0, false, codes, scale));
+      REQUIRE(scale == 5e-3f);
+      REQUIRE(decode8(kSignedMap8.value, codes[n / 2], scale) == 5e-3f);  // 1 · absmax
+      const float inverse = 1.0f / scale;
+      for (int i = 0; i < n; ++i) {
+        const std::size_t u = static_cast<std::size_t>(i);
+        REQUIRE(codes[i] == encode8(kSignedMap8.value, x[u] * inverse, stochastic, random[u], false));
+        if (!stochastic) {  // the nearest value to x / absmax, and the decoded value that times absmax
+          const std::vector<int> best = nearest_codes(kSignedMap8, x[u] * inverse);
+          REQUIRE(std::find(best.begin(), best.end(), static_cast<int>(codes[i])) != best.end());
+        }
+      }
+    }
+  }
+  // The exp_avg_sq side: shift 16 takes the high half of the bits.
+  {
+    for (int i = 0; i < 256; ++i) x[static_cast<std::size_t>(i)] = std::fabs(normal(gen));
+    std::uint8_t a[256], b[256];
+    float sa, sb;
+    std::vector<std::uint32_t> shifted(256);
+    for (int i = 0; i < 256; ++i) shifted[static_cast<std::size_t>(i)] = random[static_cast<std::size_t>(i)] >> 16;
+    REQUIRE(encode_block8(kUnsignedMap8.value, x.data(), 256, true, random.data(), 16, true, a, sa));
+    REQUIRE(encode_block8(kUnsignedMap8.value, x.data(), 256, true, shifted.data(), 0, true, b, sb));
+    REQUIRE(sa == sb);
+    for (int i = 0; i < 256; ++i) REQUIRE(a[i] == b[i]);
+  }
+  // A block of zeros: scale 0, every code the map's 0, decoded as 0 (no 0 · inf).
+  {
+    std::vector<float> zeros(256, 0.0f);
+    zeros[3] = -0.0f;
+    std::uint8_t codes[256];
+    float scale = -1.0f;
+    REQUIRE(encode_block8(kSignedMap8.value, zeros.data(), 256, true, random.data(), 0, false, codes, scale));
+    REQUIRE(scale == 0.0f);
+    for (int i = 0; i < 256; ++i) {
+      REQUIRE(codes[i] == kSignedZero8);
+      REQUIRE(decode8(kSignedMap8.value, codes[i], scale) == 0.0f);
+    }
+    REQUIRE(encode_block8(kUnsignedMap8.value, zeros.data(), 256, false, random.data(), 0, true, codes, scale));
+    REQUIRE(scale == 0.0f);
+    for (int i = 0; i < 256; ++i) REQUIRE(codes[i] == kUnsignedZero8);
+  }
+  // An absmax below fp32's smallest normal: the block stores zeros (its reciprocal would overflow).
+  {
+    float tiny[3] = {1e-39f, -5e-40f, 0.0f};
+    std::uint8_t codes[3];
+    float scale = -1.0f;
+    REQUIRE(encode_block8(kSignedMap8.value, tiny, 3, false, random.data(), 0, false, codes, scale));
+    REQUIRE(scale == 0.0f);
+    for (std::uint8_t c : codes) REQUIRE(c == kSignedZero8);
+    float smallest_normal[2] = {0x1p-126f, -0x1p-127f};
+    REQUIRE(encode_block8(kSignedMap8.value, smallest_normal, 2, false, random.data(), 0, false, codes, scale));
+    REQUIRE(scale == 0x1p-126f);
+    REQUIRE(std::isfinite(inverse8(scale)));
+    REQUIRE(codes[0] == 255);
+  }
+  // Any inf or NaN, first, middle or last: refused, and nothing written.
+  for (float bad : {INFINITY, -INFINITY, NAN}) {
+    for (int at : {0, 128, 255}) {
+      for (int i = 0; i < 256; ++i) x[static_cast<std::size_t>(i)] = 0.5f;
+      x[static_cast<std::size_t>(at)] = bad;
+      std::uint8_t codes[256];
+      for (std::uint8_t& c : codes) c = 0xAB;
+      float scale = 7.0f;
+      REQUIRE_FALSE(encode_block8(kSignedMap8.value, x.data(), 256, false, random.data(), 0, false, codes, scale));
+      REQUIRE(scale == 7.0f);
+      for (std::uint8_t c : codes) REQUIRE(c == 0xAB);
+    }
+  }
+}
+
+TEST_CASE("8-bit block geometry: the small-tensor rule by global shape, blocks within rows", "[block8]") {
+  // The rule reads the whole tensor's shape, never a shard's.
+  REQUIRE_FALSE(block8_geometry(4095, 0).quantized);
+  REQUIRE(block8_geometry(4096, 0).quantized);
+  REQUIRE_FALSE(block8_geometry(1 << 20, 1).quantized);   // a 1-D tensor cut anywhere: rows of 1
+  REQUIRE_FALSE(block8_geometry(31 * 1000, 31).quantized);
+  REQUIRE(block8_geometry(32 * 1000, 32).quantized);
+  REQUIRE_FALSE(block8_geometry(0, 0).quantized);
+
+  {  // One row of 5000: 19 blocks of 256 and one of 136.
+    const Block8Geometry g = block8_geometry(5000, 0);
+    REQUIRE(g.blocks == 20);
+    REQUIRE(g.block_of(0) == 0);
+    REQUIRE(g.block_of(255) == 0);
+    REQUIRE(g.block_of(256) == 1);
+    REQUIRE(g.block_of(4999) == 19);
+    REQUIRE(g.block_size(0) == 256);
+    REQUIRE(g.block_size(19) == 136);
+    REQUIRE(g.starts_block(4864));
+    REQUIRE_FALSE(g.starts_block(4865));
+    REQUIRE(g.starts_block(5000));
+  }
+  {  // Rows of 300 (a [40, 300] tensor): two blocks a row, 256 and 44; every row starts a block.
+    const Block8Geometry g = block8_geometry(40 * 300, 300);
+    REQUIRE(g.blocks_per_row == 2);
+    REQUIRE(g.blocks == 80);
+    REQUIRE(g.block_of(299) == 1);
+    REQUIRE(g.block_of(300) == 2);
+    REQUIRE(g.block_of(300 + 256) == 3);
+    REQUIRE(g.block_size(2) == 256);
+    REQUIRE(g.block_size(3) == 44);
+    for (std::int64_t r = 0; r <= 40; ++r) REQUIRE(g.starts_block(r * 300));
+    REQUIRE(g.starts_block(256));
+    REQUIRE_FALSE(g.starts_block(512));  // 212 into the second row
+  }
+  {  // Rows of 64 (an embedding of width 64): one block a row.
+    const Block8Geometry g = block8_geometry(100 * 64, 64);
+    REQUIRE(g.blocks == 100);
+    REQUIRE(g.block_size(7) == 64);
+    REQUIRE(g.block_of(64 * 7 + 63) == 7);
+  }
+  // Sum of the block sizes is the tensor; pieces cut at block starts hold disjoint, consecutive
+  // blocks: the scale a piece's local block i holds is the whole tensor's block_of(begin) + i.
+  for (std::int64_t row : {std::int64_t{0}, std::int64_t{300}, std::int64_t{64}, std::int64_t{1024}}) {
+    const std::int64_t numel = row == 0 ? 9000 : row * 100;
+    const Block8Geometry g = block8_geometry(numel, row);
+    REQUIRE(g.quantized);
+    std::int64_t total = 0;
+    for (std::int64_t b = 0; b < g.blocks; ++b) total += g.block_size(b);
+    REQUIRE(total == numel);
+    std::vector<std::int64_t> starts;
+    for (std::int64_t i = 0; i <= numel; ++i) {
+      if (g.starts_block(i)) starts.push_back(i);
+    }
+    REQUIRE(static_cast<std::int64_t>(starts.size()) == g.blocks + 1);
+    // Cut into three pieces at block starts: their block counts add up, and each element's local
+    // block is its global block less the piece's first.
+    const std::int64_t cut1 = starts[starts.size() / 3], cut2 = starts[2 * starts.size() / 3];
+    REQUIRE(g.blocks_in(0, cut1) + g.blocks_in(cut1, cut2) + g.blocks_in(cut2, numel) == g.blocks);
+    for (std::int64_t i = cut1; i < cut2; ++i) {
+      const std::int64_t local = g.block_of(i) - g.block_of(cut1);
+      REQUIRE(local >= 0);
+      REQUIRE(local < g.blocks_in(cut1, cut2));
+    }
+  }
+}
