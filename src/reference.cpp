@@ -126,10 +126,9 @@ std::uint32_t random_bits(std::uint64_t seed, std::int64_t step, std::uint32_t t
                                0x9E3779B9u);
   return murmur_finalizer(mixed);
 }
-// The weight's random bits of an element without a master: the element's bits r multiplied by
-// 0x9E3779B9 (mod 2^32), xor r's upper half.
-std::uint32_t weight_random_bits(std::uint64_t seed, std::int64_t step, std::uint32_t tensor_id, std::int64_t index) {
-  const std::uint32_t r = random_bits(seed, step, tensor_id, index);
+// The weight's random bits of an element without a master, from the element's bits r: r
+// multiplied by 0x9E3779B9 (mod 2^32), xor r's upper half.
+std::uint32_t weight_random_bits(std::uint32_t r) {
   return static_cast<std::uint32_t>(std::uint64_t{r} * 0x9E3779B9u) ^ (r >> 16);
 }
 
@@ -211,7 +210,7 @@ std::int64_t apply_tensor(const ParamTensor& p, std::size_t index, const StepCon
     // a master, the fp32 result with the state's rounding.
     std::uint16_t model = finite && p.model != nullptr ? to_bits16(config.model_dtype, new_w) : 0;
     if (finite && no_master && f.rounding == Rounding::stochastic) {
-      model = static_cast<std::uint16_t>((bits_of_float(new_w) + (weight_random_bits(f.seed, t, id, p.offset + i) & 0xFFFFu)) >> 16);
+      model = static_cast<std::uint16_t>((bits_of_float(new_w) + (weight_random_bits(random) & 0xFFFFu)) >> 16);
     }
     std::uint16_t split_model = 0;
     std::int16_t split_rest = 0;
