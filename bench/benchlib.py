@@ -49,3 +49,10 @@ def pyplot():
     except ImportError:
         print("matplotlib is not installed: no plot (rerun with --plot-only where it is)")
         return None
+
+
+def write_figure(fig, path):
+    """Lays out `fig`, writes it to `path` (110 dpi) and says so."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path)

@@ -148,9 +148,7 @@ def plot(results, path):
                  (next(iter(results["runs"].values()))["parameters"] / 1e6))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print("wrote", path)
+    benchlib.write_figure(fig, path)
 
 
 def main():

@@ -284,9 +284,7 @@ def plot(results, path):
     axes[0].set_ylabel("|update - float64's| / RMS update (last half of the steps)")
     axes[0].legend(fontsize=8)
     fig.suptitle("AdamW moments stored in 8 bits (blocks of 256) and bf16, %d steps of a small LM" % results["steps"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print("wrote", path)
+    benchlib.write_figure(fig, path)
 
 
 def main():

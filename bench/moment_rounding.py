@@ -108,9 +108,7 @@ def plot(results, path):
     axes[0].set_ylabel("median |v_bf16 / v_fp32 - 1|")
     axes[0].legend()
     fig.suptitle("exp_avg_sq in bf16 against fp32 (beta2 = 0.999, %d elements, halfstep's step)" % results["numel"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print("wrote", path)
+    benchlib.write_figure(fig, path)
 
 
 if __name__ == "__main__":
