@@ -8,8 +8,8 @@ addresses. `halfstep.torch.FusedAdamW` is the torch.optim optimizer built on it 
 
 import ctypes as _C
 import math as _math
-import operator as _operator
 
+from . import _lib
 from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID_ARGUMENT, ERROR_USAGE, F16, F32,
                    MASTER_BF16_REMAINDER, MASTER_F32, MASTER_NONE, MOMENT_BF16, MOMENT_F32, ROUND_NEAREST,
                    ROUND_STOCHASTIC, SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE, SKIPPED_OVERFLOW, SKIPPED_SPIKE,
@@ -90,13 +90,7 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
     c.exp_avg_format = _named(exp_avg, MOMENT_FORMATS, "exp_avg")
     c.exp_avg_sq_format = _named(exp_avg_sq, MOMENT_FORMATS, "exp_avg_sq")
     c.rounding = _named(rounding, ROUNDINGS, "rounding")
-    try:
-        index = None if isinstance(seed, bool) else _operator.index(seed)  # numpy's integers too
-    except TypeError:
-        index = None
-    if index is None or not 0 <= index < 2 ** 64:
-        raise ValueError("seed must be an integer in [0, 2^64), got %r" % (seed,))
-    c.seed = index
+    c.seed = _lib.seed(seed)
     for name, value in _options(scaler, SCALER_OPTIONS, "scaler").items():
         _set(c, name, value, "scaler")
     for name, value in _options(spike, SPIKE_OPTIONS, "spike").items():

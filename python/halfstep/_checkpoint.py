@@ -23,7 +23,7 @@ import hashlib as _hashlib
 
 import torch
 
-from . import _hyper, _ranks, version
+from . import _hyper, _lib, _ranks, version
 from ._layouts import SLOTS
 
 KEY = _hyper.STATE_KEY
@@ -166,7 +166,10 @@ class Checked:
         # The seed of stochastic rounding's bits (halfstep >= 0.5; the library's state carries it too).
         fmt = hs.get("state_format")
         seed = fmt.get("seed") if isinstance(fmt, dict) else None
-        self.seed = seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 64 else None
+        try:
+            self.seed = _lib.seed(seed) if isinstance(seed, int) else None
+        except ValueError:
+            self.seed = None
         self._check_state(opt, state_dict.get("state", {}), old="shapes" in hs)
 
     def _check_state(self, opt, state, old):

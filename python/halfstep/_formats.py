@@ -11,9 +11,9 @@ between a slot as it is stored and as a user or a checkpoint sees it. Only the l
 """
 
 import collections as _collections
-import operator as _operator
-
 import torch
+
+from . import _lib
 
 # The keywords of TransformerEngine's FusedAdam (exp_avg_dtype, exp_avg_sq_dtype) by dtype.
 MOMENT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -82,22 +82,10 @@ def choose(param_dtype, store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype,
         moments[name] = MOMENT_DTYPES[dtype]
     if rounding not in ("stochastic", "nearest"):
         raise ValueError("rounding must be 'stochastic' or 'nearest', got %r" % (rounding,))
-    seed = _integer(seed)
-    if seed is None or not 0 <= seed < 2 ** 64:
-        raise ValueError("seed must be an integer in [0, 2^64), got %r" % (seed,))
+    seed = _lib.seed(seed)
     master = "none" if master_weight_dtype is None else "bf16_remainder" if store_param_remainders else "f32"
     return Formats(master, moments["exp_avg_dtype"],
                    moments["exp_avg_sq_dtype"], rounding, seed)
-
-
-def _integer(x):
-    """x as a Python int if it is an integer (numpy's and torch's integer scalars too), else None."""
-    if isinstance(x, bool):
-        return None
-    try:
-        return _operator.index(x)
-    except TypeError:
-        return None
 
 
 # -- masters as a bfloat16 parameter and an int16 remainder ----------------------------------------------

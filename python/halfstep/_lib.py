@@ -19,6 +19,21 @@ MASTER_F32, MASTER_BF16_REMAINDER, MASTER_NONE = 0, 1, 2
 MOMENT_F32, MOMENT_BF16 = 0, 1
 ROUND_NEAREST, ROUND_STOCHASTIC = 0, 1
 
+
+
+def seed(x):
+    """x as the seed of stochastic rounding's bits: an integer in [0, 2^64) (numpy's and torch's
+    integer scalars too; not a bool). Raises ValueError naming the rule otherwise."""
+    import operator
+    try:
+        index = None if isinstance(x, bool) else operator.index(x)
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < 2 ** 64:
+        raise ValueError("seed must be an integer in [0, 2^64), got %r" % (x,))
+    return index
+
+
 TOTALS_SUM_WORDS = 24
 TOTALS_MAX_WORDS = 4
 
