@@ -18,8 +18,8 @@
 // elements of a row, a row's last block holding what is left, a row shorter than 256 one block.
 // A shard that starts at a row boundary (FSDP2's Shard(0)) or at a block start therefore holds
 // whole blocks, and every rank count encodes every block alike. Tensors of fewer than 4096
-// elements, or with rows shorter than 32, keep their moments wide (a scale per fewer than 32
-// elements would cost more than an eighth of the codes' bytes).
+// elements, or with rows shorter than 32, keep their moments wide (a row shorter than 32 would
+// spend more than an eighth of its codes' bytes on its scale).
 #pragma once
 
 #include <cstdint>
@@ -100,9 +100,10 @@ HALFSTEP_HD inline int floor_code8(const float* map, float x) {
 /// The code of `x`, a value already divided by its block's absmax (|x| <= 1 up to the rounding of
 /// that division; beyond the map's ends the end codes): to the nearest value, a tie to the even
 /// code; or stochastically, up with the probability (to 2^-16) that x lies past the lower of its
-/// two neighbours, from 16 random bits (`random`'s low half). `never_zero`: a positive x encodes
-/// to a positive code.
-HALFSTEP_HD inline std::uint8_t encode8(const float* map, float x, bool stochastic, std::uint32_t random, bool never_zero) {
+/// two neighbours, from 16 random bits (`random`'s low half). `positive` (the unsigned map only):
+/// the value was positive before its division by the absmax, which may have flushed it to 0, and
+/// must not encode to code 0, the map's 0; it takes code 1, the smallest positive value.
+HALFSTEP_HD inline std::uint8_t encode8(const float* map, float x, bool stochastic, std::uint32_t random, bool positive) {
   int c = floor_code8(map, x);
   if (c < 255) {
     const float lo = map[c], hi = map[c + 1];
@@ -119,7 +120,7 @@ HALFSTEP_HD inline std::uint8_t encode8(const float* map, float x, bool stochast
       c += up ? 1 : 0;
     }
   }
-  if (never_zero && c == 0 && x > 0.0f) c = 1;  // only the unsigned map has 0 at code 0
+  if (positive && c == 0) c = 1;
   return static_cast<std::uint8_t>(c);
 }
 
@@ -127,7 +128,8 @@ HALFSTEP_HD inline std::uint8_t encode8(const float* map, float x, bool stochast
 /// 0 below fp32's smallest normal (such a block stores zeros: its reciprocal would overflow).
 HALFSTEP_HD inline float scale8(float absmax) { return absmax >= 0x1p-126f ? absmax : 0.0f; }
 /// What the codes of a block with scale `scale` are computed from: x · inverse8(scale), 0 for a
-/// block of zeros (every element then encodes to the map's 0).
+/// block of zeros (every element then encodes to the map's 0). Scales above 2^126 have subnormal
+/// reciprocals and lose precision in the codes; moments never come near.
 HALFSTEP_HD inline float inverse8(float scale) { return scale != 0.0f ? 1.0f / scale : 0.0f; }
 /// The value of `code` in a block with scale `scale`.
 HALFSTEP_HD inline float decode8(const float* map, std::uint8_t code, float scale) { return map[code] * scale; }
@@ -136,7 +138,8 @@ HALFSTEP_HD inline float decode8(const float* map, std::uint8_t code, float scal
 
 /// Encodes the `n` values `x` (1 <= n <= 256) of one block: its scale (scale8 of the largest |x|)
 /// and a code per value (encode8 of x · inverse8(scale), with bits `shift` and up of `random[i]`
-/// when stochastic). Returns false, writing nothing, if a value is not finite: the block then
+/// when stochastic; with `never_zero`, a positive value never takes the unsigned map's 0). Returns
+/// false, writing nothing, if a value is not finite: the block then
 /// keeps what it holds. Pass 2 computes the same codes a warp per block.
 HALFSTEP_HD inline bool encode_block8(const float* map, const float* x, int n, bool stochastic, const std::uint32_t* random,
                                       int shift, bool never_zero, std::uint8_t* codes, float& scale) {
@@ -149,7 +152,7 @@ HALFSTEP_HD inline bool encode_block8(const float* map, const float* x, int n, b
   scale = scale8(absmax);
   const float inverse = inverse8(scale);
   for (int i = 0; i < n; ++i) {
-    codes[i] = encode8(map, x[i] * inverse, stochastic, stochastic ? random[i] >> shift : 0u, never_zero);
+    codes[i] = encode8(map, x[i] * inverse, stochastic, stochastic ? random[i] >> shift : 0u, never_zero && x[i] > 0.0f);
   }
   return true;
 }
@@ -186,12 +189,12 @@ struct Block8Geometry {
   }
 };
 
-/// The geometry of a tensor of `numel` elements (>= 0) with rows of `row` elements (0 for one row;
-/// else row divides numel), under the rule above.
+/// The geometry of a tensor of `numel` elements (>= 0) with rows of `row` elements (0 for one row),
+/// under the rule above; rows that do not divide numel leave the tensor wide.
 HALFSTEP_HD inline Block8Geometry block8_geometry(std::int64_t numel, std::int64_t row) {
   Block8Geometry g;
   const std::int64_t r = row == 0 ? numel : row;
-  if (numel >= kBlock8MinNumel && r >= kBlock8MinRow) {
+  if (numel >= kBlock8MinNumel && r >= kBlock8MinRow && numel % r == 0) {
     g.quantized = true;
     g.numel = numel;
     g.row = r;
