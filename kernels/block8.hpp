@@ -22,6 +22,12 @@
 // spend more than an eighth of its codes' bytes on its scale).
 #pragma once
 
+#if defined(__CUDACC__) || defined(HALFSTEP_EMULATED)
+#include "device.cuh"
+#endif
+
+#include <string.h>
+
 #include <cstdint>
 
 #include "halfstep/config.hpp"
@@ -74,54 +80,104 @@ constexpr Map8 make_unsigned_map8() {
   return m;
 }
 
-/// The maps' values for host code (device code copies them into shared memory).
-inline constexpr Map8 kSignedMap8 = make_signed_map8();
-inline constexpr Map8 kUnsignedMap8 = make_unsigned_map8();
 inline constexpr std::uint8_t kSignedZero8 = 127;  ///< the signed map's code of 0
 inline constexpr std::uint8_t kUnsignedZero8 = 0;  ///< the unsigned map's code of 0
 
-// -- one value -----------------------------------------------------------------------------------
+// -- the codec of a map ----------------------------------------------------------------------------
+//
+// Encoding works on magnitudes. A magnitude y's floor (the largest map magnitude <= y) is found
+// without a search: a guess table indexed by y's fp32 exponent and top 7 fraction bits (one entry
+// per 1/128 of an octave, octaves 2^-22 .. 2^0) holds the floor of the entry's lowest value, and
+// no entry's range holds more than one map magnitude past it (both maps: the densest, the top
+// decade's, are 0.9/128 apart, at least 1/142 of their value; an entry spans 1/128 of its
+// octave's start, less than that gap — the tests check it entry by entry), so one comparison
+// finishes. Magnitudes below 2^-22 lie under both maps' smallest positive value (3.25e-7 and
+// 5.5e-7), those from 2^1 up over 1. That is four shared-memory reads a value and, on sm_90, 29
+// SASS instructions to nearest and 35 stochastically, against 63 and 71 for a binary search of
+// the map (eight dependent reads, then the two neighbours): bench/RESULTS.md.
 
-/// The largest code whose value is <= x (0 if none is): eight steps of a binary search, the same
-/// number for every x. 128 + 64 + ... + 1 = 255, so no step reads past the map.
-HALFSTEP_HD inline int floor_code8(const float* map, float x) {
-  int c = 0;
-  c += map[c + 128] <= x ? 128 : 0;
-  c += map[c + 64] <= x ? 64 : 0;
-  c += map[c + 32] <= x ? 32 : 0;
-  c += map[c + 16] <= x ? 16 : 0;
-  c += map[c + 8] <= x ? 8 : 0;
-  c += map[c + 4] <= x ? 4 : 0;
-  c += map[c + 2] <= x ? 2 : 0;
-  c += map[c + 1] <= x ? 1 : 0;
+inline constexpr int kGuessBits8 = 7;                          ///< fraction bits that index the guess
+inline constexpr int kGuessOctaves8 = 23;                      ///< 2^-22 .. 2^0
+inline constexpr int kGuessLowest8 = 127 - 22;                 ///< the lowest octave's biased exponent
+inline constexpr int kGuessEntries8 = kGuessOctaves8 << kGuessBits8;
+
+/// A map with what encoding it needs: its magnitudes (the values >= 0, ascending, then +inf)
+/// and the guess table.
+struct Codec8 {
+  Map8 map;                          ///< code -> value (decode)
+  float magnitude[258];              ///< 0 .. 1, then +inf (twice: a value past 1 reads two
+                                     ///< past its floor): 129 values signed, 256 unsigned
+  std::uint8_t guess[kGuessEntries8];  ///< floor index into magnitude of each entry's lowest value
+  int top;                           ///< the index of 1 in magnitude: 128 signed, 255 unsigned
+  bool is_signed;
+};
+
+constexpr Codec8 make_codec8(bool is_signed) {
+  Codec8 c{};
+  c.map = is_signed ? make_signed_map8() : make_unsigned_map8();
+  c.is_signed = is_signed;
+  const int zero = is_signed ? kSignedZero8 : kUnsignedZero8;
+  c.top = 255 - zero;
+  for (int p = 0; p <= c.top; ++p) c.magnitude[p] = c.map.value[zero + p];
+  for (int p = c.top + 1; p < 258; ++p) c.magnitude[p] = __builtin_huge_valf();
+  // Entry e covers [2^(o-22)·(1 + j/128), 2^(o-22)·(1 + (j+1)/128)) for o = e / 128, j = e % 128;
+  // its floor only grows with e, so one pass over the magnitudes fills the table.
+  int p = 0;
+  double octave = 1.0;
+  for (int o = 0; o < 22; ++o) octave /= 2.0;
+  for (int e = 0; e < kGuessEntries8; ++e) {
+    if (e > 0 && e % (1 << kGuessBits8) == 0) octave *= 2.0;
+    const double lowest = octave * (1.0 + static_cast<double>(e % (1 << kGuessBits8)) / (1 << kGuessBits8));
+    while (p < c.top && static_cast<double>(c.magnitude[p + 1]) <= lowest) ++p;
+    c.guess[e] = static_cast<std::uint8_t>(p);
+  }
   return c;
 }
 
+/// The two codecs for host code (device code copies them into shared memory).
+inline constexpr Codec8 kSignedCodec8 = make_codec8(true);
+inline constexpr Codec8 kUnsignedCodec8 = make_codec8(false);
+
+// -- one value -----------------------------------------------------------------------------------
+
+HALFSTEP_HD inline std::uint32_t bits8(float x) {
+  std::uint32_t b = 0;
+  ::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
 /// The code of `x`, a value already divided by its block's absmax (|x| <= 1 up to the rounding of
-/// that division; beyond the map's ends the end codes): to the nearest value, a tie to the even
-/// code; or stochastically, up with the probability (to 2^-16) that x lies past the lower of its
-/// two neighbours, from 16 random bits (`random`'s low half). `positive` (the unsigned map only):
-/// the value was positive before its division by the absmax, which may have flushed it to 0, and
-/// must not encode to code 0, the map's 0; it takes code 1, the smallest positive value.
-HALFSTEP_HD inline std::uint8_t encode8(const float* map, float x, bool stochastic, std::uint32_t random, bool positive) {
-  int c = floor_code8(map, x);
-  if (c < 255) {
-    const float lo = map[c], hi = map[c + 1];
-    if (x > lo) {
-      const float below = x - lo;
-      bool up;
-      if (stochastic) {
-        // u = (r + 1/2)·2^-16, r uniform in [0, 2^16): P(u·(hi - lo) < below) = below / (hi - lo).
-        up = below > (hi - lo) * ((static_cast<float>(random & 0xFFFFu) + 0.5f) * 0x1p-16f);
-      } else {
-        const float above = hi - x;
-        up = below > above || (below == above && (c & 1) != 0);
-      }
-      c += up ? 1 : 0;
-    }
+/// that division; beyond the map's ends the end codes), encoded by its magnitude: to the nearest
+/// value, a tie to the smaller magnitude; or stochastically, to the larger of the two magnitudes
+/// around |x| with the probability (to 2^-16) that |x| lies past the smaller, from 16 random bits
+/// (`random`'s low half). A negative x takes the code of -(its magnitude), the lowest code (its
+/// magnitude 0.99296875) where that would be -1, which the signed map lacks. `positive` (the
+/// unsigned map only): the value was positive before its division by the absmax, which may have
+/// flushed it to 0, and must not encode to code 0, the map's 0; it takes code 1, the smallest
+/// positive value.
+HALFSTEP_HD inline std::uint8_t encode8(const Codec8& codec, float x, bool stochastic, std::uint32_t random, bool positive) {
+  const std::uint32_t bits = bits8(x);
+  const float y = x < 0.0f ? -x : x;
+  int e = static_cast<int>((bits & 0x7FFFFFFFu) >> (23 - kGuessBits8)) - (kGuessLowest8 << kGuessBits8);
+  e = e < 0 ? 0 : e >= kGuessEntries8 ? kGuessEntries8 - 1 : e;
+  int p = codec.guess[e];
+  const float m0 = codec.magnitude[p], m1 = codec.magnitude[p + 1], m2 = codec.magnitude[p + 2];
+  const bool past = m1 <= y;  // the one magnitude the entry may hold past its guess
+  p += past ? 1 : 0;
+  const float lo = past ? m1 : m0, hi = past ? m2 : m1;  // hi is +inf above 1: never up
+  const float below = y - lo;
+  bool up;
+  if (stochastic) {
+    // u = (r + 1/2)·2^-16, r uniform in [0, 2^16): P(u·(hi - lo) < below) = below / (hi - lo).
+    up = below > (hi - lo) * ((static_cast<float>(random & 0xFFFFu) + 0.5f) * 0x1p-16f);
+  } else {
+    up = below > hi - y;
   }
-  if (positive && c == 0) c = 1;
-  return static_cast<std::uint8_t>(c);
+  p += up ? 1 : 0;
+  if (positive && p == 0) p = 1;
+  if (!codec.is_signed) return static_cast<std::uint8_t>(p);
+  if (x < 0.0f) return static_cast<std::uint8_t>(kSignedZero8 - (p < kSignedZero8 ? p : kSignedZero8));
+  return static_cast<std::uint8_t>(kSignedZero8 + p);
 }
 
 /// The scale a block stores for its largest magnitude `absmax` (>= 0, finite): absmax itself, or
@@ -132,7 +188,7 @@ HALFSTEP_HD inline float scale8(float absmax) { return absmax >= 0x1p-126f ? abs
 /// reciprocals and lose precision in the codes; moments never come near.
 HALFSTEP_HD inline float inverse8(float scale) { return scale != 0.0f ? 1.0f / scale : 0.0f; }
 /// The value of `code` in a block with scale `scale`.
-HALFSTEP_HD inline float decode8(const float* map, std::uint8_t code, float scale) { return map[code] * scale; }
+HALFSTEP_HD inline float decode8(const Codec8& codec, std::uint8_t code, float scale) { return codec.map.value[code] * scale; }
 
 // -- one block -------------------------------------------------------------------------------------
 
@@ -141,7 +197,7 @@ HALFSTEP_HD inline float decode8(const float* map, std::uint8_t code, float scal
 /// when stochastic; with `never_zero`, a positive value never takes the unsigned map's 0). Returns
 /// false, writing nothing, if a value is not finite: the block then
 /// keeps what it holds. Pass 2 computes the same codes a warp per block.
-HALFSTEP_HD inline bool encode_block8(const float* map, const float* x, int n, bool stochastic, const std::uint32_t* random,
+HALFSTEP_HD inline bool encode_block8(const Codec8& codec, const float* x, int n, bool stochastic, const std::uint32_t* random,
                                       int shift, bool never_zero, std::uint8_t* codes, float& scale) {
   float absmax = 0.0f;
   for (int i = 0; i < n; ++i) {
@@ -152,10 +208,51 @@ HALFSTEP_HD inline bool encode_block8(const float* map, const float* x, int n, b
   scale = scale8(absmax);
   const float inverse = inverse8(scale);
   for (int i = 0; i < n; ++i) {
-    codes[i] = encode8(map, x[i] * inverse, stochastic, stochastic ? random[i] >> shift : 0u, never_zero && x[i] > 0.0f);
+    codes[i] = encode8(codec, x[i] * inverse, stochastic, stochastic ? random[i] >> shift : 0u, never_zero && x[i] > 0.0f);
   }
   return true;
 }
+
+#if defined(__CUDACC__) || defined(HALFSTEP_EMULATED)
+/// Elements of a block each lane of a warp holds: lane l holds elements 8l .. 8l + 7.
+inline constexpr int kBlock8PerLane = kBlock8 / 32;
+
+/// encode_block8 by a warp, all 32 lanes together (warp-uniform control flow): lane l holds the
+/// block's elements 8l + j in x[j], and those below `n`, the block's size, are the block's. Every
+/// lane gets the block's scale and its own codes (0 past n), or false on every lane, with nothing
+/// written, if any of the block's values is not finite. Bit for bit encode_block8: the absmax is
+/// a maximum, the same whatever the order, and every code the same encode8.
+__device__ inline bool warp_encode_block8(const Codec8& codec, const float (&x)[kBlock8PerLane], int n, bool stochastic,
+                                          const std::uint32_t (&random)[kBlock8PerLane], int shift, bool never_zero,
+                                          std::uint8_t (&codes)[kBlock8PerLane], float& scale) {
+  const int first = static_cast<int>(threadIdx.x % 32u) * kBlock8PerLane;
+  float absmax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int j = 0; j < kBlock8PerLane; ++j) {
+    if (first + j < n) {
+      finite = finite && x[j] - x[j] == 0.0f;
+      const float a = x[j] < 0.0f ? -x[j] : x[j];
+      absmax = a > absmax ? a : absmax;
+    }
+  }
+  if (__all_sync(0xFFFFFFFFu, finite ? 1 : 0) == 0) return false;
+#pragma unroll
+  for (int lanes = 16; lanes >= 1; lanes >>= 1) {
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, absmax, lanes);
+    absmax = other > absmax ? other : absmax;
+  }
+  scale = scale8(absmax);
+  const float inverse = inverse8(scale);
+#pragma unroll
+  for (int j = 0; j < kBlock8PerLane; ++j) {
+    codes[j] = first + j < n ? encode8(codec, x[j] * inverse, stochastic, stochastic ? random[j] >> shift : 0u,
+                                       never_zero && x[j] > 0.0f)
+                             : std::uint8_t{0};
+  }
+  return true;
+}
+#endif
 
 // -- the geometry of a tensor's blocks -------------------------------------------------------------
 

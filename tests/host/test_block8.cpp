@@ -33,93 +33,146 @@ std::vector<int> nearest_codes(const Map8& map, float x) {
 }  // namespace
 
 TEST_CASE("8-bit maps: 256 ascending values, seven decades, 0 and 1 exact", "[block8]") {
-  for (const Map8* map : {&kSignedMap8, &kUnsignedMap8}) {
-    for (int c = 1; c < 256; ++c) REQUIRE(map->value[c - 1] < map->value[c]);
-    REQUIRE(map->value[255] == 1.0f);
+  for (const Codec8* codec : {&kSignedCodec8, &kUnsignedCodec8}) {
+    const Map8& map = codec->map;
+    for (int c = 1; c < 256; ++c) REQUIRE(map.value[c - 1] < map.value[c]);
+    REQUIRE(map.value[255] == 1.0f);
   }
-  REQUIRE(kSignedMap8.value[kSignedZero8] == 0.0f);
-  REQUIRE(kUnsignedMap8.value[kUnsignedZero8] == 0.0f);
+  const Map8& s = kSignedCodec8.map;
+  const Map8& u = kUnsignedCodec8.map;
+  REQUIRE(s.value[kSignedZero8] == 0.0f);
+  REQUIRE(u.value[kUnsignedZero8] == 0.0f);
   // The extremes: the top decade's last midpoint (64 cells signed, 128 unsigned) and the bottom
   // decade's first (1 cell signed, 2 unsigned), rounded once to fp32.
-  REQUIRE(kSignedMap8.value[0] == static_cast<float>(-(0.1 + 0.9 * 63.5 / 64)));
-  REQUIRE(kSignedMap8.value[254] == static_cast<float>(0.1 + 0.9 * 63.5 / 64));
-  REQUIRE(kSignedMap8.value[128] == static_cast<float>((0.1 + 0.9 * 0.5) * 1e-6));
-  REQUIRE(kUnsignedMap8.value[1] == static_cast<float>((0.1 + 0.9 * 0.5 / 2) * 1e-6));
-  REQUIRE(kUnsignedMap8.value[254] == static_cast<float>(0.1 + 0.9 * 127.5 / 128));
+  REQUIRE(s.value[0] == static_cast<float>(-(0.1 + 0.9 * 63.5 / 64)));
+  REQUIRE(s.value[254] == static_cast<float>(0.1 + 0.9 * 63.5 / 64));
+  REQUIRE(s.value[128] == static_cast<float>((0.1 + 0.9 * 0.5) * 1e-6));
+  REQUIRE(u.value[1] == static_cast<float>((0.1 + 0.9 * 0.5 / 2) * 1e-6));
+  REQUIRE(u.value[254] == static_cast<float>(0.1 + 0.9 * 127.5 / 128));
   // The signed map is symmetric but for +1.
-  for (int c = 0; c < 127; ++c) REQUIRE(kSignedMap8.value[c] == -kSignedMap8.value[254 - c]);
+  for (int c = 0; c < 127; ++c) REQUIRE(s.value[c] == -s.value[254 - c]);
   // Within a decade the grid is linear: 64 signed cells between 0.1 and 1 have steps of 0.9/64.
-  REQUIRE(std::fabs(kSignedMap8.value[200] - kSignedMap8.value[199] - 0.9 / 64) < 1e-7);
+  REQUIRE(std::fabs(s.value[200] - s.value[199] - 0.9 / 64) < 1e-7);
+}
+
+TEST_CASE("8-bit codec tables: magnitudes, and a guess no more than one magnitude short", "[block8]") {
+  for (const Codec8* codec : {&kSignedCodec8, &kUnsignedCodec8}) {
+    const int zero = codec->is_signed ? kSignedZero8 : kUnsignedZero8;
+    REQUIRE(codec->top == 255 - zero);
+    for (int p = 0; p <= codec->top; ++p) REQUIRE(codec->magnitude[p] == codec->map.value[zero + p]);
+    REQUIRE(std::isinf(codec->magnitude[codec->top + 1]));
+    REQUIRE(std::isinf(codec->magnitude[257]));
+    // Entry e's range [lowest(e), lowest(e + 1)): its guess is the floor of lowest(e), and the
+    // magnitude two past the guess lies at or past lowest(e + 1).
+    for (int e = 0; e < kGuessEntries8; ++e) {
+      const auto lowest = [](int i) {
+        return std::ldexp(1.0 + (i % (1 << kGuessBits8)) / static_cast<double>(1 << kGuessBits8),
+                          i / (1 << kGuessBits8) - 22);
+      };
+      const int g = codec->guess[e];
+      INFO("entry " << e << ", guess " << g);
+      REQUIRE(static_cast<double>(codec->magnitude[g]) <= lowest(e));
+      REQUIRE(static_cast<double>(codec->magnitude[g + 1]) > lowest(e));
+      if (e + 1 < kGuessEntries8) REQUIRE(static_cast<double>(codec->magnitude[g + 2]) >= lowest(e + 1));
+    }
+  }
 }
 
 TEST_CASE("8-bit encode to nearest: every code round-trips, every value goes to a nearest code", "[block8]") {
-  for (const Map8* map : {&kSignedMap8, &kUnsignedMap8}) {
-    for (int c = 0; c < 256; ++c) REQUIRE(encode8(map->value, map->value[c], false, 0u, false) == c);
+  for (const Codec8* codec : {&kSignedCodec8, &kUnsignedCodec8}) {
+    const Map8& map = codec->map;
+    // A tie goes to the smaller magnitude.
+    const auto nearest = [&](float x) {
+      const std::vector<int> best = nearest_codes(map, x);
+      if (best.size() == 1) return best[0];
+      return std::fabs(map.value[best[0]]) < std::fabs(map.value[best[1]]) ? best[0] : best[1];
+    };
+    for (int c = 0; c < 256; ++c) REQUIRE(encode8(*codec, map.value[c], false, 0u, false) == c);
     std::mt19937 gen(31);
-    std::uniform_real_distribution<float> unit(map == &kSignedMap8 ? -1.0f : 0.0f, 1.0f);
+    std::uniform_real_distribution<float> unit(codec->is_signed ? -1.0f : 0.0f, 1.0f);
     std::uniform_real_distribution<float> decades(-8.0f, 0.0f);
     for (int i = 0; i < 20000; ++i) {
       // Half uniform, half log-uniform over eight decades (and its sign for the signed map).
       float x = unit(gen);
-      if (i % 2 == 1) x = std::copysign(std::pow(10.0f, decades(gen)), map == &kSignedMap8 ? x : 1.0f);
-      const std::vector<int> best = nearest_codes(*map, x);
-      const int got = encode8(map->value, x, false, 0u, false);
+      if (i % 2 == 1) x = std::copysign(std::pow(10.0f, decades(gen)), codec->is_signed ? x : 1.0f);
       INFO("x = " << x);
-      if (best.size() == 1) {
-        REQUIRE(got == best[0]);
-      } else {
-        REQUIRE(got == (best[0] % 2 == 0 ? best[0] : best[1]));  // a tie goes to the even code
+      REQUIRE(encode8(*codec, x, false, 0u, false) == nearest(x));
+    }
+    // Where the guess and its one comparison decide: each map value, each guess entry's lowest
+    // value, and their neighbours four fp32 ulps either way, both signs.
+    std::vector<float> edges;
+    for (int c = 0; c < 256; ++c) edges.push_back(map.value[c]);
+    for (int e = 0; e < kGuessEntries8; ++e) {
+      edges.push_back(static_cast<float>(std::ldexp(1.0 + (e % 128) / 128.0, e / 128 - 22)));
+    }
+    for (float edge : edges) {
+      float x = edge;
+      for (int k = 0; k < 4; ++k) x = std::nextafter(x, -INFINITY);
+      for (int k = 0; k < 9; ++k, x = std::nextafter(x, INFINITY)) {
+        for (float v : {x, -x}) {
+          if (!codec->is_signed && v < 0.0f) continue;
+          INFO("x = " << v);
+          REQUIRE(encode8(*codec, v, false, 0u, false) == nearest(v));
+        }
       }
     }
-    // Midpoints between neighbours are ties: the even code.
+    // Midpoints between neighbours are ties: the smaller magnitude.
+    int ties = 0;
     for (int c = 0; c < 255; ++c) {
-      const float lo = map->value[c], hi = map->value[c + 1];
+      const float lo = map.value[c], hi = map.value[c + 1];
       const float mid = lo + (hi - lo) / 2;
       if (mid - lo != hi - mid) continue;  // not exactly halfway in fp32
-      REQUIRE(encode8(map->value, mid, false, 0u, false) == (c % 2 == 0 ? c : c + 1));
+      ++ties;
+      REQUIRE(encode8(*codec, mid, false, 0u, false) == (std::fabs(lo) < std::fabs(hi) ? c : c + 1));
     }
+    REQUIRE(ties > 100);
   }
   // Beyond the ends: the end codes (the signed map's -1 goes to its lowest value).
-  REQUIRE(encode8(kSignedMap8.value, -1.0f, false, 0u, false) == 0);
-  REQUIRE(encode8(kSignedMap8.value, 1.0000001f, false, 0u, false) == 255);
-  REQUIRE(encode8(kUnsignedMap8.value, 1.0000001f, false, 0u, false) == 255);
+  REQUIRE(encode8(kSignedCodec8, -1.0f, false, 0u, false) == 0);
+  REQUIRE(encode8(kSignedCodec8, -1.5f, true, 0xFFFFu, false) == 0);
+  REQUIRE(encode8(kSignedCodec8, 1.0000001f, false, 0u, false) == 255);
+  REQUIRE(encode8(kUnsignedCodec8, 1.0000001f, false, 0u, false) == 255);
+  REQUIRE(encode8(kUnsignedCodec8, 3.0f, true, 0xFFFFu, false) == 255);
+  REQUIRE(encode8(kSignedCodec8, -0.0f, false, 0u, false) == kSignedZero8);
 }
 
 TEST_CASE("8-bit stochastic encode: one of the two neighbours, up as often as x lies past the lower", "[block8]") {
   std::mt19937 gen(32);
-  for (const Map8* map : {&kSignedMap8, &kUnsignedMap8}) {
+  for (const Codec8* codec : {&kSignedCodec8, &kUnsignedCodec8}) {
+    const Map8& map = codec->map;
     std::uniform_int_distribution<int> code(0, 254);
     std::uniform_real_distribution<float> frac(0.0f, 1.0f);
     for (int trial = 0; trial < 200; ++trial) {
       const int c = code(gen);
-      const float lo = map->value[c], hi = map->value[c + 1];
+      const float lo = map.value[c], hi = map.value[c + 1];
       const float x = lo + (hi - lo) * frac(gen);
       if (!(x > lo && x < hi)) continue;
       // Every one of the 2^16 random values, counted: the share that rounds up is the share of
       // the gap x lies past lo, to within one random value (2^-16) and fp32's rounding of it.
-      std::int64_t ups = 0;
+      std::int64_t ups = 0, others = 0;
       for (std::uint32_t r = 0; r < 65536u; ++r) {
-        const int got = encode8(map->value, x, true, r, false);
-        REQUIRE((got == c || got == c + 1));
+        const int got = encode8(*codec, x, true, r, false);
         ups += got == c + 1 ? 1 : 0;
+        others += got != c && got != c + 1 ? 1 : 0;
       }
+      REQUIRE(others == 0);
       const double want = (static_cast<double>(x) - lo) / (static_cast<double>(hi) - lo);
       INFO("code " << c << ", x = " << x);
       REQUIRE(std::fabs(static_cast<double>(ups) / 65536.0 - want) <= 2.0 / 65536.0 + want * 0x1p-22);
       // The bits used are the low 16: the high half changes nothing.
-      REQUIRE(encode8(map->value, x, true, 0x1234u, false) == encode8(map->value, x, true, 0xABCD1234u, false));
+      REQUIRE(encode8(*codec, x, true, 0x1234u, false) == encode8(*codec, x, true, 0xABCD1234u, false));
     }
     // A value on the map stays put whatever the bits.
-    for (std::uint32_t r : {0u, 0x7FFFu, 0xFFFFu}) REQUIRE(encode8(map->value, map->value[77], true, r, false) == 77);
+    for (std::uint32_t r : {0u, 0x7FFFu, 0xFFFFu}) REQUIRE(encode8(*codec, map.value[77], true, r, false) == 77);
   }
 }
 
 TEST_CASE("8-bit never_zero: a positive square root never decodes to 0", "[block8]") {
-  const float* map = kUnsignedMap8.value;
+  const Codec8& codec = kUnsignedCodec8;
   for (float x : {1e-30f, 1e-12f, 1e-8f, 1.6e-7f}) {
-    REQUIRE(encode8(map, x, false, 0u, false) == 0);  // below half the smallest positive value
-    REQUIRE(encode8(map, x, false, 0u, true) == 1);
-    for (std::uint32_t r : {0u, 0xFFFFu}) REQUIRE(encode8(map, x, true, r, true) == 1);
+    REQUIRE(encode8(codec, x, false, 0u, false) == 0);  // below half the smallest positive value
+    REQUIRE(encode8(codec, x, false, 0u, true) == 1);
+    for (std::uint32_t r : {0u, 0xFFFFu}) REQUIRE(encode8(codec, x, true, r, true) == 1);
   }
   // In a block: positive values the division by the absmax flushes to 0 too; zeros stay 0.
   std::uint32_t random[4] = {0u, 0xFFFFFFFFu, 0u, 0u};
@@ -127,12 +180,12 @@ TEST_CASE("8-bit never_zero: a positive square root never decodes to 0", "[block
   for (bool stochastic : {false, true}) {
     std::uint8_t codes[4];
     float scale;
-    REQUIRE(encode_block8(map, x, 4, stochastic, random, 0, true, codes, scale));
+    REQUIRE(encode_block8(codec, x, 4, stochastic, random, 0, true, codes, scale));
     REQUIRE(codes[0] == 1);
     REQUIRE(codes[1] == 1);
     REQUIRE(codes[2] == 255);
     REQUIRE(codes[3] == 0);
-    REQUIRE(encode_block8(map, x, 4, stochastic, random, 0, false, codes, scale));
+    REQUIRE(encode_block8(codec, x, 4, stochastic, random, 0, false, codes, scale));
     REQUIRE(codes[0] == 0);  // without the rule
   }
 }
@@ -151,17 +204,17 @@ TEST_CASE("8-bit block: absmax scale, the largest value exact to nearest, zeros,
     for (bool stochastic : {false, true}) {
       std::uint8_t codes[256];
       float scale = -1.0f;
-      REQUIRE(encode_block8(kSignedMap8.value, x.data(), n, stochastic, random.data(), 0, false, codes, scale));
+      REQUIRE(encode_block8(kSignedCodec8, x.data(), n, stochastic, random.data(), 0, false, codes, scale));
       REQUIRE(scale == 5e-3f);
       // To nearest the absmax is exact (1 · absmax); stochastically a·fl(1/a) may fall one ulp
       // below 1, and the absmax rounds down with a tiny probability (not for this a).
-      if (!stochastic) REQUIRE(decode8(kSignedMap8.value, codes[n / 2], scale) == 5e-3f);
+      if (!stochastic) REQUIRE(decode8(kSignedCodec8, codes[n / 2], scale) == 5e-3f);
       const float inverse = 1.0f / scale;
       for (int i = 0; i < n; ++i) {
         const std::size_t u = static_cast<std::size_t>(i);
-        REQUIRE(codes[i] == encode8(kSignedMap8.value, x[u] * inverse, stochastic, random[u], false));
+        REQUIRE(codes[i] == encode8(kSignedCodec8, x[u] * inverse, stochastic, random[u], false));
         if (!stochastic) {  // a code of the value nearest x · (1 / absmax)
-          const std::vector<int> best = nearest_codes(kSignedMap8, x[u] * inverse);
+          const std::vector<int> best = nearest_codes(kSignedCodec8.map, x[u] * inverse);
           REQUIRE(std::find(best.begin(), best.end(), static_cast<int>(codes[i])) != best.end());
         }
       }
@@ -174,8 +227,8 @@ TEST_CASE("8-bit block: absmax scale, the largest value exact to nearest, zeros,
     float sa, sb;
     std::vector<std::uint32_t> shifted(256);
     for (int i = 0; i < 256; ++i) shifted[static_cast<std::size_t>(i)] = random[static_cast<std::size_t>(i)] >> 16;
-    REQUIRE(encode_block8(kUnsignedMap8.value, x.data(), 256, true, random.data(), 16, true, a, sa));
-    REQUIRE(encode_block8(kUnsignedMap8.value, x.data(), 256, true, shifted.data(), 0, true, b, sb));
+    REQUIRE(encode_block8(kUnsignedCodec8, x.data(), 256, true, random.data(), 16, true, a, sa));
+    REQUIRE(encode_block8(kUnsignedCodec8, x.data(), 256, true, shifted.data(), 0, true, b, sb));
     REQUIRE(sa == sb);
     for (int i = 0; i < 256; ++i) REQUIRE(a[i] == b[i]);
   }
@@ -185,13 +238,13 @@ TEST_CASE("8-bit block: absmax scale, the largest value exact to nearest, zeros,
     zeros[3] = -0.0f;
     std::uint8_t codes[256];
     float scale = -1.0f;
-    REQUIRE(encode_block8(kSignedMap8.value, zeros.data(), 256, true, random.data(), 0, false, codes, scale));
+    REQUIRE(encode_block8(kSignedCodec8, zeros.data(), 256, true, random.data(), 0, false, codes, scale));
     REQUIRE(scale == 0.0f);
     for (int i = 0; i < 256; ++i) {
       REQUIRE(codes[i] == kSignedZero8);
-      REQUIRE(decode8(kSignedMap8.value, codes[i], scale) == 0.0f);
+      REQUIRE(decode8(kSignedCodec8, codes[i], scale) == 0.0f);
     }
-    REQUIRE(encode_block8(kUnsignedMap8.value, zeros.data(), 256, false, random.data(), 0, true, codes, scale));
+    REQUIRE(encode_block8(kUnsignedCodec8, zeros.data(), 256, false, random.data(), 0, true, codes, scale));
     REQUIRE(scale == 0.0f);
     for (int i = 0; i < 256; ++i) REQUIRE(codes[i] == kUnsignedZero8);
   }
@@ -200,11 +253,11 @@ TEST_CASE("8-bit block: absmax scale, the largest value exact to nearest, zeros,
     float tiny[3] = {1e-39f, -5e-40f, 0.0f};
     std::uint8_t codes[3];
     float scale = -1.0f;
-    REQUIRE(encode_block8(kSignedMap8.value, tiny, 3, false, random.data(), 0, false, codes, scale));
+    REQUIRE(encode_block8(kSignedCodec8, tiny, 3, false, random.data(), 0, false, codes, scale));
     REQUIRE(scale == 0.0f);
     for (std::uint8_t c : codes) REQUIRE(c == kSignedZero8);
     float smallest_normal[2] = {0x1p-126f, -0x1p-127f};
-    REQUIRE(encode_block8(kSignedMap8.value, smallest_normal, 2, false, random.data(), 0, false, codes, scale));
+    REQUIRE(encode_block8(kSignedCodec8, smallest_normal, 2, false, random.data(), 0, false, codes, scale));
     REQUIRE(scale == 0x1p-126f);
     REQUIRE(std::isfinite(inverse8(scale)));
     REQUIRE(codes[0] == 255);
@@ -217,7 +270,7 @@ TEST_CASE("8-bit block: absmax scale, the largest value exact to nearest, zeros,
       std::uint8_t codes[256];
       for (std::uint8_t& c : codes) c = 0xAB;
       float scale = 7.0f;
-      REQUIRE_FALSE(encode_block8(kSignedMap8.value, x.data(), 256, false, random.data(), 0, false, codes, scale));
+      REQUIRE_FALSE(encode_block8(kSignedCodec8, x.data(), 256, false, random.data(), 0, false, codes, scale));
       REQUIRE(scale == 7.0f);
       for (std::uint8_t c : codes) REQUIRE(c == 0xAB);
     }
