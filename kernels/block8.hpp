@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "halfstep/config.hpp"
+#include "step_math.hpp"
 
 namespace halfstep::detail {
 
@@ -251,6 +252,120 @@ __device__ inline bool warp_encode_block8(const Codec8& codec, const float (&x)[
                              : std::uint8_t{0};
   }
   return true;
+}
+#endif
+
+// -- one block's AdamW step ----------------------------------------------------------------------------
+//
+// A block of a quantized tensor is updated as a whole: each element decodes its master (the
+// master codec, as for every format) and its moments (exp_avg = map·scale, exp_avg_sq = (map ·
+// scale)²), runs adamw_update in fp32, and encodes its master; then the block's new exp_avg and
+// sqrt(exp_avg_sq) get new scales and codes. exp_avg rounds to nearest (it decays fast, beta1 =
+// 0.9, and rounding it stochastically only added noise in the measurement); sqrt(exp_avg_sq) with
+// the state's rounding, bits 16-31 of the element's draw, never to 0 while positive. If any
+// element's new master, model copy, exp_avg or exp_avg_sq would not be finite, the whole block
+// keeps everything it held: its elements' masters too, since their moments could not move.
+
+/// One element of a block: its new master (ps_new, model_new), exp_avg (m) and sqrt(exp_avg_sq)
+/// (root), and whether all are finite. Nothing is written in place.
+template <class Master, bool kDraw>
+HALFSTEP_HD inline bool update_element8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
+                                        const typename Master::Stored& ps, std::uint16_t model, std::uint8_t m_code,
+                                        std::uint8_t v_code, float m_scale, float v_scale, float g, bool with_model,
+                                        std::uint32_t random, const GroupConsts& k, typename Master::Stored& ps_new,
+                                        std::uint16_t& model_new, float& m, float& root) {
+  float p = Master::decode(ps, model);
+  m = decode8(exp_avg_codec, m_code, m_scale);
+  const float r = decode8(exp_avg_sq_codec, v_code, v_scale);
+  float v = r * r;
+  adamw_update(p, m, v, g, k);
+  root = sqrtf(v);
+  const std::uint32_t random_w = kDraw && Master::kRounds ? weight_bits(random) : 0u;
+  const bool ok = Master::encode(p, with_model, kDraw, random_w, ps_new, model_new);
+  return ok & finite32(m) & finite32(v);
+}
+
+/// The host's block step (the tests' mirror of warp_update_block8): the n elements of one block,
+/// updated in place; returns true, changing nothing, if the block is held.
+template <class Master, bool kDraw>
+HALFSTEP_HD inline bool update_block8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
+                                      typename Master::Stored* ps, std::uint16_t* model, std::uint8_t* m_codes,
+                                      std::uint8_t* v_codes, float& m_scale, float& v_scale, const float* g, int n,
+                                      bool with_model, const std::uint32_t* random, const GroupConsts& k) {
+  typename Master::Stored ps_new[kBlock8];
+  std::uint16_t model_new[kBlock8];
+  float m[kBlock8], root[kBlock8];
+  bool ok = true;
+  for (int i = 0; i < n; ++i) {
+    ps_new[i] = typename Master::Stored{};
+    model_new[i] = 0;
+    ok = update_element8<Master, kDraw>(exp_avg_codec, exp_avg_sq_codec, ps[i], model[i], m_codes[i], v_codes[i], m_scale,
+                                        v_scale, g[i], with_model, random[i], k, ps_new[i], model_new[i], m[i], root[i]) &&
+         ok;
+  }
+  if (!ok) return true;
+  std::uint8_t mc[kBlock8], vc[kBlock8];
+  float ms = 0.0f, vs = 0.0f;
+  encode_block8(exp_avg_codec, m, n, false, random, 0, false, mc, ms);
+  encode_block8(exp_avg_sq_codec, root, n, kDraw, random, 16, true, vc, vs);
+  for (int i = 0; i < n; ++i) {
+    if (Master::kStored) ps[i] = ps_new[i];
+    if (with_model) model[i] = model_new[i];
+    m_codes[i] = mc[i];
+    v_codes[i] = vc[i];
+  }
+  m_scale = ms;
+  v_scale = vs;
+  return false;
+}
+
+#if defined(__CUDACC__) || defined(HALFSTEP_EMULATED)
+/// update_block8 by a warp, all 32 lanes together: lane l holds elements 8l + j of the block (the
+/// first n are the block's) and gets its own new values in place; every lane returns true,
+/// changing nothing, if the block is held. Bit for bit update_block8.
+template <class Master, bool kDraw>
+__device__ inline bool warp_update_block8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
+                                          typename Master::Stored (&ps)[kBlock8PerLane],
+                                          std::uint16_t (&model)[kBlock8PerLane], std::uint8_t (&m_codes)[kBlock8PerLane],
+                                          std::uint8_t (&v_codes)[kBlock8PerLane], float& m_scale, float& v_scale,
+                                          const float (&g)[kBlock8PerLane], int n, bool with_model,
+                                          const std::uint32_t (&random)[kBlock8PerLane], const GroupConsts& k) {
+  const int first = static_cast<int>(threadIdx.x % 32u) * kBlock8PerLane;
+  typename Master::Stored ps_new[kBlock8PerLane];
+  std::uint16_t model_new[kBlock8PerLane];
+  float m[kBlock8PerLane], root[kBlock8PerLane];
+  bool ok = true;
+#pragma unroll
+  for (int j = 0; j < kBlock8PerLane; ++j) {
+    ps_new[j] = typename Master::Stored{};
+    model_new[j] = 0;
+    m[j] = 0.0f;
+    root[j] = 0.0f;
+    if (first + j < n) {
+      ok = update_element8<Master, kDraw>(exp_avg_codec, exp_avg_sq_codec, ps[j], model[j], m_codes[j], v_codes[j],
+                                          m_scale, v_scale, g[j], with_model, random[j], k, ps_new[j], model_new[j], m[j],
+                                          root[j]) &&
+           ok;
+    }
+  }
+  if (__all_sync(0xFFFFFFFFu, ok ? 1 : 0) == 0) return true;
+  std::uint8_t mc[kBlock8PerLane], vc[kBlock8PerLane];
+  float ms = 0.0f, vs = 0.0f;
+  // Both encodes see only finite values now: neither refuses.
+  warp_encode_block8(exp_avg_codec, m, n, false, random, 0, false, mc, ms);
+  warp_encode_block8(exp_avg_sq_codec, root, n, kDraw, random, 16, true, vc, vs);
+#pragma unroll
+  for (int j = 0; j < kBlock8PerLane; ++j) {
+    if (first + j < n) {
+      if (Master::kStored) ps[j] = ps_new[j];
+      if (with_model) model[j] = model_new[j];
+      m_codes[j] = mc[j];
+      v_codes[j] = vc[j];
+    }
+  }
+  m_scale = ms;
+  v_scale = vs;
+  return false;
 }
 #endif
 

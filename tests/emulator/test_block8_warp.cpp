@@ -6,6 +6,8 @@
 #include <catch2/catch.hpp>
 
 #include "block8.hpp"
+#include "state_codec.hpp"
+#include "step_math.hpp"
 
 #include <cmath>
 #include <cstring>
@@ -153,6 +155,196 @@ TEST_CASE("8-bit block encoding by a warp is the host's, bit for bit", "[block8]
                       static_cast<void*>(ok)}) {
         cudaFree(p);
       }
+    }
+  }
+  halfstep_emu::configure(saved);
+}
+
+namespace {
+
+// One warp per block: lane l steps elements 8l .. 8l + 7 of its block, in place; held[b] says
+// whether the block kept everything.
+template <class Master, bool kDraw>
+__global__ void step_blocks(const Codec8* codecs, typename Master::Stored* ps, std::uint16_t* model, std::uint8_t* m_codes,
+                            std::uint8_t* v_codes, float* m_scales, float* v_scales, const float* g, const int* sizes,
+                            const std::uint32_t* random, int with_model, GroupConsts k, int* held) {
+  const int b = static_cast<int>(blockIdx.x * (blockDim.x / 32u) + threadIdx.x / 32u);
+  const int first = b * kBlock8 + static_cast<int>(threadIdx.x % 32u) * kBlock8PerLane;
+  typename Master::Stored p[kBlock8PerLane];
+  std::uint16_t w[kBlock8PerLane];
+  std::uint8_t mc[kBlock8PerLane], vc[kBlock8PerLane];
+  float gv[kBlock8PerLane];
+  std::uint32_t r[kBlock8PerLane];
+  for (int j = 0; j < kBlock8PerLane; ++j) {
+    p[j] = ps[first + j];
+    w[j] = model[first + j];
+    mc[j] = m_codes[first + j];
+    vc[j] = v_codes[first + j];
+    gv[j] = g[first + j];
+    r[j] = random[first + j];
+  }
+  float ms = m_scales[b], vs = v_scales[b];
+  const bool kept = warp_update_block8<Master, kDraw>(codecs[0], codecs[1], p, w, mc, vc, ms, vs, gv, sizes[b],
+                                                      with_model != 0, r, k);
+  for (int j = 0; j < kBlock8PerLane; ++j) {
+    ps[first + j] = p[j];
+    model[first + j] = w[j];
+    m_codes[first + j] = mc[j];
+    v_codes[first + j] = vc[j];
+  }
+  if (threadIdx.x % 32u == 0) {
+    m_scales[b] = ms;
+    v_scales[b] = vs;
+    held[b] = kept ? 1 : 0;
+  }
+}
+
+// The state of 32 blocks of every size kind: bf16 weights near 1 (masters: fp32 values that
+// round to them, or their remainders), moments from random codes and scales across decades
+// (a block of zero scales among them), gradients of 1e-3; a gradient of 1e30 at the first,
+// middle or last element of three blocks makes exp_avg_sq overflow there.
+template <class Master>
+struct StepCase {
+  std::vector<typename Master::Stored> ps;
+  std::vector<std::uint16_t> model;
+  std::vector<std::uint8_t> m_codes, v_codes;
+  std::vector<float> m_scales, v_scales, g;
+  std::vector<int> sizes;
+  std::vector<std::uint32_t> random;
+};
+template <class Master>
+StepCase<Master> make_step_case(std::uint32_t seed) {
+  constexpr int kBlocks = 32;
+  constexpr std::size_t n = kBlocks * kBlock8;
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> size(1, kBlock8);
+  StepCase<Master> c{std::vector<typename Master::Stored>(n), std::vector<std::uint16_t>(n), std::vector<std::uint8_t>(n),
+                     std::vector<std::uint8_t>(n), std::vector<float>(kBlocks), std::vector<float>(kBlocks),
+                     std::vector<float>(n), std::vector<int>(kBlocks), std::vector<std::uint32_t>(n)};
+  for (std::size_t i = 0; i < n; ++i) {
+    const float master = 1.0f + 0.1f * normal(gen);
+    std::uint16_t bf16 = 0;
+    typename Master::Stored stored{};
+    Master::encode(master, true, false, 0u, stored, bf16);
+    c.ps[i] = stored;
+    c.model[i] = bf16;
+    c.m_codes[i] = static_cast<std::uint8_t>(gen());
+    c.v_codes[i] = static_cast<std::uint8_t>(gen());
+    c.g[i] = 1e-3f * normal(gen);
+    c.random[i] = static_cast<std::uint32_t>(gen());
+  }
+  for (int b = 0; b < kBlocks; ++b) {
+    const std::size_t u = static_cast<std::size_t>(b);
+    c.sizes[u] = b % 4 == 0 ? kBlock8 : b % 4 == 1 ? size(gen) : b % 4 == 2 ? 1 : 255;
+    c.m_scales[u] = b == 5 ? 0.0f : std::pow(10.0f, -3.0f - 3.0f * std::fabs(normal(gen)));
+    c.v_scales[u] = b == 5 ? 0.0f : std::pow(10.0f, -3.0f - 3.0f * std::fabs(normal(gen)));
+  }
+  for (int b : {8, 9, 10}) {
+    const int sz = c.sizes[static_cast<std::size_t>(b)];
+    const int at = b == 8 ? 0 : b == 9 ? sz / 2 : sz - 1;
+    c.g[static_cast<std::size_t>(b * kBlock8 + at)] = 1e30f;
+  }
+  return c;
+}
+
+template <class Master, bool kDraw>
+void check_block_steps(bool with_model) {
+  StepCase<Master> in = make_step_case<Master>(kDraw ? 81u : 82u);
+  GroupParams params{0.9f, 0.999f, 1e-8f, 0.01f, 1, 1, {0, 0}, 0};
+  const GroupConsts k = group_consts(params, 1e-3f, 7);
+  // The device's run.
+  Codec8* codecs = device_copy(std::vector<Codec8>{kSignedCodec8, kUnsignedCodec8});
+  auto* ps = device_copy(in.ps);
+  auto* model = device_copy(in.model);
+  auto* m_codes = device_copy(in.m_codes);
+  auto* v_codes = device_copy(in.v_codes);
+  auto* m_scales = device_copy(in.m_scales);
+  auto* v_scales = device_copy(in.v_scales);
+  auto* g = device_copy(in.g);
+  auto* sizes = device_copy(in.sizes);
+  auto* random = device_copy(in.random);
+  int* held = device_copy(std::vector<int>(in.sizes.size(), -1));
+  HALFSTEP_LAUNCH(static_cast<unsigned>(in.sizes.size() / 4), 128, 0, nullptr, step_blocks<Master, kDraw>)(
+      codecs, ps, model, m_codes, v_codes, m_scales, v_scales, g, sizes, random, with_model ? 1 : 0, k, held);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const std::size_t n = in.ps.size(), blocks = in.sizes.size();
+  const auto got_ps = host_copy(ps, n);
+  const auto got_model = host_copy(model, n);
+  const auto got_m = host_copy(m_codes, n);
+  const auto got_v = host_copy(v_codes, n);
+  const auto got_ms = host_copy(m_scales, blocks);
+  const auto got_vs = host_copy(v_scales, blocks);
+  const auto got_held = host_copy(held, blocks);
+  // The host's, block by block, and the two compared bit for bit.
+  int held_blocks = 0, moved = 0;
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const std::size_t at = b * kBlock8;
+    const int sz = in.sizes[b];
+    const bool want_held = update_block8<Master, kDraw>(kSignedCodec8, kUnsignedCodec8, &in.ps[at], &in.model[at],
+                                                        &in.m_codes[at], &in.v_codes[at], in.m_scales[b], in.v_scales[b],
+                                                        &in.g[at], sz, with_model, &in.random[at], k);
+    INFO("block " << b << " of " << sz);
+    REQUIRE(got_held[b] == (want_held ? 1 : 0));
+    held_blocks += want_held ? 1 : 0;
+    REQUIRE(std::memcmp(&got_ms[b], &in.m_scales[b], sizeof(float)) == 0);
+    REQUIRE(std::memcmp(&got_vs[b], &in.v_scales[b], sizeof(float)) == 0);
+    for (int i = 0; i < sz; ++i) {
+      const std::size_t u = at + static_cast<std::size_t>(i);
+      REQUIRE(std::memcmp(&got_ps[u], &in.ps[u], sizeof(in.ps[u])) == 0);
+      REQUIRE(got_model[u] == in.model[u]);
+      REQUIRE(got_m[u] == in.m_codes[u]);
+      REQUIRE(got_v[u] == in.v_codes[u]);
+    }
+  }
+  // The three blocks with an overflowing exp_avg_sq, and only they, kept their state; the rest moved.
+  REQUIRE(held_blocks == 3);
+  REQUIRE(got_held[8] == 1);
+  REQUIRE(got_held[9] == 1);
+  REQUIRE(got_held[10] == 1);
+  const StepCase<Master> before = make_step_case<Master>(kDraw ? 81u : 82u);
+  for (std::size_t b : {std::size_t{8}, std::size_t{9}, std::size_t{10}}) {
+    for (int i = 0; i < in.sizes[b]; ++i) {
+      const std::size_t u = b * kBlock8 + static_cast<std::size_t>(i);
+      REQUIRE(got_m[u] == before.m_codes[u]);
+      REQUIRE(got_v[u] == before.v_codes[u]);
+      REQUIRE(got_model[u] == before.model[u]);
+    }
+  }
+  for (std::size_t u = 0; u < 4 * kBlock8; ++u) moved += got_model[u] != before.model[u] || got_m[u] != before.m_codes[u] ? 1 : 0;
+  REQUIRE(moved > 0);
+  REQUIRE(got_vs[5] > 0.0f);  // a block of zero moments takes the gradients' square roots
+  for (void* p : {static_cast<void*>(codecs), static_cast<void*>(ps), static_cast<void*>(model),
+                  static_cast<void*>(m_codes), static_cast<void*>(v_codes), static_cast<void*>(m_scales),
+                  static_cast<void*>(v_scales), static_cast<void*>(g), static_cast<void*>(sizes),
+                  static_cast<void*>(random), static_cast<void*>(held)}) {
+    cudaFree(p);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("8-bit block step by a warp is the host's, bit for bit, and holds a block whole", "[block8][emulated]") {
+  using halfstep::DType;
+  using halfstep::MasterFormat;
+  const std::string saved = halfstep_emu::settings();
+  for (const char* order : {"forward", "random", "warps"}) {
+    halfstep_emu::configure(std::string("threads=") + order + ",seed=9");
+    INFO("threads=" << order);
+    SECTION(std::string("fp32 masters, bf16 model, nearest, ") + order) {
+      check_block_steps<MasterCodec<MasterFormat::f32, DType::bf16>, false>(true);
+    }
+    SECTION(std::string("fp32 masters, no model copy, stochastic, ") + order) {
+      check_block_steps<MasterCodec<MasterFormat::f32, DType::bf16>, true>(false);
+    }
+    SECTION(std::string("remainders, stochastic, ") + order) {
+      check_block_steps<MasterCodec<MasterFormat::bf16_remainder, DType::bf16>, true>(true);
+    }
+    SECTION(std::string("no master, stochastic, ") + order) {
+      check_block_steps<MasterCodec<MasterFormat::none, DType::bf16>, true>(true);
+    }
+    SECTION(std::string("no master, nearest, ") + order) {
+      check_block_steps<MasterCodec<MasterFormat::none, DType::bf16>, false>(true);
     }
   }
   halfstep_emu::configure(saved);
