@@ -12,7 +12,7 @@ build=$root/build/fuzz
 CXX=${FUZZ_CXX:-clang++} cmake -S "$root/tests/fuzz" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo > "$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }
 cmake --build "$build" > "$build.build.log" 2>&1 || { tail -40 "$build.build.log"; exit 1; }
-for target in checkpoint config safetensors; do
+for target in checkpoint config safetensors block8; do
   corpus=$build/corpus/$target
   mkdir -p "$corpus"
   log=$build/fuzz_$target.log
