@@ -155,8 +155,10 @@ HALFSTEP_HD inline std::uint32_t bits8(float x) {
 /// magnitude 0.99296875) where that would be -1, which the signed map lacks. `positive` (the
 /// unsigned map only): the value was positive before its division by the absmax, which may have
 /// flushed it to 0, and must not encode to code 0, the map's 0; it takes code 1, the smallest
-/// positive value.
-HALFSTEP_HD inline std::uint8_t encode8(const Codec8& codec, float x, bool stochastic, std::uint32_t random, bool positive) {
+/// positive value. kSigned says which map `codec` is (codec.is_signed), so that pass 2 compiles
+/// only its own sign handling; encode8 below reads it from the codec.
+template <bool kSigned>
+HALFSTEP_HD inline std::uint8_t encode8_as(const Codec8& codec, float x, bool stochastic, std::uint32_t random, bool positive) {
   const std::uint32_t bits = bits8(x);
   const float y = x < 0.0f ? -x : x;
   int e = static_cast<int>((bits & 0x7FFFFFFFu) >> (23 - kGuessBits8)) - (kGuessLowest8 << kGuessBits8);
@@ -176,9 +178,13 @@ HALFSTEP_HD inline std::uint8_t encode8(const Codec8& codec, float x, bool stoch
   }
   p += up ? 1 : 0;
   if (positive && p == 0) p = 1;
-  if (!codec.is_signed) return static_cast<std::uint8_t>(p);
+  if (!kSigned) return static_cast<std::uint8_t>(p);
   if (x < 0.0f) return static_cast<std::uint8_t>(kSignedZero8 - (p < kSignedZero8 ? p : kSignedZero8));
   return static_cast<std::uint8_t>(kSignedZero8 + p);
+}
+HALFSTEP_HD inline std::uint8_t encode8(const Codec8& codec, float x, bool stochastic, std::uint32_t random, bool positive) {
+  return codec.is_signed ? encode8_as<true>(codec, x, stochastic, random, positive)
+                         : encode8_as<false>(codec, x, stochastic, random, positive);
 }
 
 /// The scale a block stores for its largest magnitude `absmax` (>= 0, finite): absmax itself, or
@@ -222,22 +228,25 @@ inline constexpr int kBlock8PerLane = kBlock8 / 32;
 /// block's elements 8l + j in x[j], and those below `n`, the block's size, are the block's. Every
 /// lane gets the block's scale and its own codes (0 past n), or false on every lane, with nothing
 /// written, if any of the block's values is not finite. Bit for bit encode_block8: the absmax is
-/// a maximum, the same whatever the order, and every code the same encode8.
-__device__ inline bool warp_encode_block8(const Codec8& codec, const float (&x)[kBlock8PerLane], int n, bool stochastic,
-                                          const std::uint32_t (&random)[kBlock8PerLane], int shift, bool never_zero,
-                                          std::uint8_t (&codes)[kBlock8PerLane], float& scale) {
+/// a maximum, the same whatever the order, and every code the same encode8. kSigned is
+/// codec.is_signed; kChecked false skips the finiteness vote for values known finite; kFull
+/// compiles a whole block (n = 256) without its guards.
+template <bool kSigned, bool kChecked = true, bool kFull = false>
+__device__ inline bool warp_encode_block8_as(const Codec8& codec, const float (&x)[kBlock8PerLane], int n, bool stochastic,
+                                             const std::uint32_t (&random)[kBlock8PerLane], int shift, bool never_zero,
+                                             std::uint8_t (&codes)[kBlock8PerLane], float& scale) {
   const int first = static_cast<int>(threadIdx.x % 32u) * kBlock8PerLane;
   float absmax = 0.0f;
   bool finite = true;
 #pragma unroll
   for (int j = 0; j < kBlock8PerLane; ++j) {
-    if (first + j < n) {
-      finite = finite && x[j] - x[j] == 0.0f;
+    if (kFull || first + j < n) {
+      if (kChecked) finite = finite && x[j] - x[j] == 0.0f;
       const float a = x[j] < 0.0f ? -x[j] : x[j];
       absmax = a > absmax ? a : absmax;
     }
   }
-  if (__all_sync(0xFFFFFFFFu, finite ? 1 : 0) == 0) return false;
+  if (kChecked && __all_sync(0xFFFFFFFFu, finite ? 1 : 0) == 0) return false;
 #pragma unroll
   for (int lanes = 16; lanes >= 1; lanes >>= 1) {
     const float other = __shfl_xor_sync(0xFFFFFFFFu, absmax, lanes);
@@ -247,11 +256,18 @@ __device__ inline bool warp_encode_block8(const Codec8& codec, const float (&x)[
   const float inverse = inverse8(scale);
 #pragma unroll
   for (int j = 0; j < kBlock8PerLane; ++j) {
-    codes[j] = first + j < n ? encode8(codec, x[j] * inverse, stochastic, stochastic ? random[j] >> shift : 0u,
-                                       never_zero && x[j] > 0.0f)
-                             : std::uint8_t{0};
+    codes[j] = kFull || first + j < n
+                   ? encode8_as<kSigned>(codec, x[j] * inverse, stochastic, stochastic ? random[j] >> shift : 0u,
+                                         never_zero && x[j] > 0.0f)
+                   : std::uint8_t{0};
   }
   return true;
+}
+__device__ inline bool warp_encode_block8(const Codec8& codec, const float (&x)[kBlock8PerLane], int n, bool stochastic,
+                                          const std::uint32_t (&random)[kBlock8PerLane], int shift, bool never_zero,
+                                          std::uint8_t (&codes)[kBlock8PerLane], float& scale) {
+  return codec.is_signed ? warp_encode_block8_as<true>(codec, x, n, stochastic, random, shift, never_zero, codes, scale)
+                         : warp_encode_block8_as<false>(codec, x, n, stochastic, random, shift, never_zero, codes, scale);
 }
 #endif
 
@@ -320,16 +336,15 @@ HALFSTEP_HD inline bool update_block8(const Codec8& exp_avg_codec, const Codec8&
 }
 
 #if defined(__CUDACC__) || defined(HALFSTEP_EMULATED)
-/// update_block8 by a warp, all 32 lanes together: lane l holds elements 8l + j of the block (the
-/// first n are the block's) and gets its own new values in place; every lane returns true,
-/// changing nothing, if the block is held. Bit for bit update_block8.
-template <class Master, bool kDraw>
-__device__ inline bool warp_update_block8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
-                                          typename Master::Stored (&ps)[kBlock8PerLane],
-                                          std::uint16_t (&model)[kBlock8PerLane], std::uint8_t (&m_codes)[kBlock8PerLane],
-                                          std::uint8_t (&v_codes)[kBlock8PerLane], float& m_scale, float& v_scale,
-                                          const float (&g)[kBlock8PerLane], int n, bool with_model,
-                                          const std::uint32_t (&random)[kBlock8PerLane], const GroupConsts& k) {
+/// The body of warp_update_block8; kFull: a whole block, compiled without the short block's guards.
+template <class Master, bool kDraw, bool kFull>
+__device__ inline bool warp_update_block8_body(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
+                                               typename Master::Stored (&ps)[kBlock8PerLane],
+                                               std::uint16_t (&model)[kBlock8PerLane],
+                                               std::uint8_t (&m_codes)[kBlock8PerLane],
+                                               std::uint8_t (&v_codes)[kBlock8PerLane], float& m_scale, float& v_scale,
+                                               const float (&g)[kBlock8PerLane], int n, bool with_model,
+                                               const std::uint32_t (&random)[kBlock8PerLane], const GroupConsts& k) {
   const int first = static_cast<int>(threadIdx.x % 32u) * kBlock8PerLane;
   typename Master::Stored ps_new[kBlock8PerLane];
   std::uint16_t model_new[kBlock8PerLane];
@@ -341,7 +356,7 @@ __device__ inline bool warp_update_block8(const Codec8& exp_avg_codec, const Cod
     model_new[j] = 0;
     m[j] = 0.0f;
     root[j] = 0.0f;
-    if (first + j < n) {
+    if (kFull || first + j < n) {
       ok = update_element8<Master, kDraw>(exp_avg_codec, exp_avg_sq_codec, ps[j], model[j], m_codes[j], v_codes[j],
                                           m_scale, v_scale, g[j], with_model, random[j], k, ps_new[j], model_new[j], m[j],
                                           root[j]) &&
@@ -351,12 +366,12 @@ __device__ inline bool warp_update_block8(const Codec8& exp_avg_codec, const Cod
   if (__all_sync(0xFFFFFFFFu, ok ? 1 : 0) == 0) return true;
   std::uint8_t mc[kBlock8PerLane], vc[kBlock8PerLane];
   float ms = 0.0f, vs = 0.0f;
-  // Both encodes see only finite values now: neither refuses.
-  warp_encode_block8(exp_avg_codec, m, n, false, random, 0, false, mc, ms);
-  warp_encode_block8(exp_avg_sq_codec, root, n, kDraw, random, 16, true, vc, vs);
+  // Every value is finite now: neither encode votes again.
+  warp_encode_block8_as<true, false, kFull>(exp_avg_codec, m, n, false, random, 0, false, mc, ms);
+  warp_encode_block8_as<false, false, kFull>(exp_avg_sq_codec, root, n, kDraw, random, 16, true, vc, vs);
 #pragma unroll
   for (int j = 0; j < kBlock8PerLane; ++j) {
-    if (first + j < n) {
+    if (kFull || first + j < n) {
       if (Master::kStored) ps[j] = ps_new[j];
       if (with_model) model[j] = model_new[j];
       m_codes[j] = mc[j];
@@ -366,6 +381,25 @@ __device__ inline bool warp_update_block8(const Codec8& exp_avg_codec, const Cod
   m_scale = ms;
   v_scale = vs;
   return false;
+}
+
+/// update_block8 by a warp, all 32 lanes together: lane l holds elements 8l + j of the block (the
+/// first n are the block's) and gets its own new values in place; every lane returns true,
+/// changing nothing, if the block is held. Bit for bit update_block8. `exp_avg_codec` is the
+/// signed map's, `exp_avg_sq_codec` the unsigned map's.
+template <class Master, bool kDraw>
+__device__ inline bool warp_update_block8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
+                                          typename Master::Stored (&ps)[kBlock8PerLane],
+                                          std::uint16_t (&model)[kBlock8PerLane], std::uint8_t (&m_codes)[kBlock8PerLane],
+                                          std::uint8_t (&v_codes)[kBlock8PerLane], float& m_scale, float& v_scale,
+                                          const float (&g)[kBlock8PerLane], int n, bool with_model,
+                                          const std::uint32_t (&random)[kBlock8PerLane], const GroupConsts& k) {
+  if (n == kBlock8) {
+    return warp_update_block8_body<Master, kDraw, true>(exp_avg_codec, exp_avg_sq_codec, ps, model, m_codes, v_codes,
+                                                        m_scale, v_scale, g, n, with_model, random, k);
+  }
+  return warp_update_block8_body<Master, kDraw, false>(exp_avg_codec, exp_avg_sq_codec, ps, model, m_codes, v_codes,
+                                                       m_scale, v_scale, g, n, with_model, random, k);
 }
 #endif
 
