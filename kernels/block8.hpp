@@ -224,7 +224,8 @@ HALFSTEP_HD inline bool encode_block8(const Codec8& codec, const float* x, int n
 /// Elements of a block each lane of a warp holds: lane l holds elements 8l .. 8l + 7.
 inline constexpr int kBlock8PerLane = kBlock8 / 32;
 
-/// encode_block8 by a warp, all 32 lanes together (warp-uniform control flow): lane l holds the
+/// encode_block8 by a warp, all 32 lanes together (warp-uniform control flow; 1-D thread blocks of
+/// a multiple of 32 threads): lane l holds the
 /// block's elements 8l + j in x[j], and those below `n`, the block's size, are the block's. Every
 /// lane gets the block's scale and its own codes (0 past n), or false on every lane, with nothing
 /// written, if any of the block's values is not finite. Bit for bit encode_block8: the absmax is
@@ -302,7 +303,9 @@ HALFSTEP_HD inline bool update_element8(const Codec8& exp_avg_codec, const Codec
 }
 
 /// The host's block step (the tests' mirror of warp_update_block8): the n elements of one block,
-/// updated in place; returns true, changing nothing, if the block is held.
+/// updated in place; returns true, changing nothing, if the block is held. `with_model` must be
+/// true where the master format reads the model copy (remainders, no master): it is half of the
+/// master, or the weight.
 template <class Master, bool kDraw>
 HALFSTEP_HD inline bool update_block8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
                                       typename Master::Stored* ps, std::uint16_t* model, std::uint8_t* m_codes,
@@ -310,13 +313,18 @@ HALFSTEP_HD inline bool update_block8(const Codec8& exp_avg_codec, const Codec8&
                                       bool with_model, const std::uint32_t* random, const GroupConsts& k) {
   typename Master::Stored ps_new[kBlock8];
   std::uint16_t model_new[kBlock8];
-  float m[kBlock8], root[kBlock8];
+  float m[kBlock8] = {}, root[kBlock8] = {};
   bool ok = true;
   for (int i = 0; i < n; ++i) {
     ps_new[i] = typename Master::Stored{};
     model_new[i] = 0;
-    ok = update_element8<Master, kDraw>(exp_avg_codec, exp_avg_sq_codec, ps[i], model[i], m_codes[i], v_codes[i], m_scale,
-                                        v_scale, g[i], with_model, random[i], k, ps_new[i], model_new[i], m[i], root[i]) &&
+    // Only the buffers the format has are read: no master without one, no model copy unless it
+    // is written or read, no random bits to nearest.
+    const typename Master::Stored stored = Master::kStored ? ps[i] : typename Master::Stored{};
+    const std::uint16_t weight = with_model ? model[i] : std::uint16_t{0};
+    ok = update_element8<Master, kDraw>(exp_avg_codec, exp_avg_sq_codec, stored, weight, m_codes[i], v_codes[i], m_scale,
+                                        v_scale, g[i], with_model, kDraw ? random[i] : 0u, k, ps_new[i], model_new[i],
+                                        m[i], root[i]) &&
          ok;
   }
   if (!ok) return true;
@@ -383,10 +391,13 @@ __device__ inline bool warp_update_block8_body(const Codec8& exp_avg_codec, cons
   return false;
 }
 
-/// update_block8 by a warp, all 32 lanes together: lane l holds elements 8l + j of the block (the
-/// first n are the block's) and gets its own new values in place; every lane returns true,
-/// changing nothing, if the block is held. Bit for bit update_block8. `exp_avg_codec` is the
-/// signed map's, `exp_avg_sq_codec` the unsigned map's.
+/// update_block8 by a warp, all 32 lanes together (1-D thread blocks of a multiple of 32 threads;
+/// n, the scales and the codecs the same on every lane): lane l holds elements 8l + j of the block
+/// (the first n are the block's) and gets its own new values in place; every lane returns true,
+/// changing nothing, if the block is held. Bit for bit update_block8 where both compile alike (the
+/// emulated device and the host, without contraction); on hardware nvcc contracts AdamW's
+/// arithmetic into FMAs, as it does for every format. `exp_avg_codec` is the signed map's,
+/// `exp_avg_sq_codec` the unsigned map's.
 template <class Master, bool kDraw>
 __device__ inline bool warp_update_block8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
                                           typename Master::Stored (&ps)[kBlock8PerLane],

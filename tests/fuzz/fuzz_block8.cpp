@@ -71,7 +71,7 @@ void check_encode(Input& in) {
     if (!std::isfinite(hi)) hi = lo;  // past 1: the top
     const bool floor_or_ceiling = magnitude == lo || magnitude == hi;
     const bool forced = (never_zero && x[i] > 0.0f && codes[i] == 1) ||                 // lifted off 0
-                        (is_signed && x[i] * inverse < 0.0f && codes[i] == 0);          // no -1
+                        (is_signed && x[i] * inverse < -codec.magnitude[127] && codes[i] == 0);  // no -1
     if (!floor_or_ceiling && !forced) violated("a code is one of the two map values around its magnitude");
     if (!stochastic && !forced && std::fabs(magnitude - y) > std::fabs((magnitude == lo ? hi : lo) - y)) {
       violated("to nearest, the nearer of the two");
@@ -80,7 +80,7 @@ void check_encode(Input& in) {
 }
 
 template <class Master>
-void check_step(Input& in, bool draw) {
+void check_step(Input& in, bool draw, bool with_model = true) {
   const int n = 1 + in.take<std::uint8_t>();
   typename Master::Stored ps[kBlock8];
   std::uint16_t model[kBlock8];
@@ -113,10 +113,10 @@ void check_step(Input& in, bool draw) {
   std::memcpy(mc0, mc, sizeof mc);
   std::memcpy(vc0, vc, sizeof vc);
   const float ms0 = ms, vs0 = vs;
-  const bool held = draw ? update_block8<Master, true>(kSignedCodec8, kUnsignedCodec8, ps, model, mc, vc, ms, vs, g, n, true,
-                                                       random, k)
+  const bool held = draw ? update_block8<Master, true>(kSignedCodec8, kUnsignedCodec8, ps, model, mc, vc, ms, vs, g, n,
+                                                       with_model, random, k)
                          : update_block8<Master, false>(kSignedCodec8, kUnsignedCodec8, ps, model, mc, vc, ms, vs, g, n,
-                                                        true, random, k);
+                                                        with_model, random, k);
   if (held) {
     if (std::memcmp(ps0, ps, sizeof ps) != 0 || std::memcmp(model0, model, sizeof model) != 0 ||
         std::memcmp(mc0, mc, sizeof mc) != 0 || std::memcmp(vc0, vc, sizeof vc) != 0 || ms != ms0 || vs != vs0) {
@@ -127,7 +127,8 @@ void check_step(Input& in, bool draw) {
   if (!finite(ms) || !finite(vs) || ms < 0.0f || vs < 0.0f) violated("a step writes finite, non-negative scales");
   for (int i = 0; i < n; ++i) {
     if (!finite(Master::decode(ps[i], model[i]))) violated("a step writes finite masters");
-    if (!bf16_finite(model[i])) violated("a step writes finite model copies");
+    if (with_model && !bf16_finite(model[i])) violated("a step writes finite model copies");
+    if (!with_model && model[i] != model0[i]) violated("without a model copy none is written");
     if (!finite(decode8(kSignedCodec8, mc[i], ms)) || !finite(decode8(kUnsignedCodec8, vc[i], vs))) {
       violated("a step writes moments that decode to finite values");
     }
@@ -142,7 +143,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   using halfstep::MasterFormat;
   switch (in.take<std::uint8_t>() % 4) {
     case 0: check_encode(in); break;
-    case 1: check_step<MasterCodec<MasterFormat::f32, DType::bf16>>(in, in.flag()); break;
+    case 1: {
+      const bool draw = in.flag(), with_model = in.flag();  // in this order
+      check_step<MasterCodec<MasterFormat::f32, DType::bf16>>(in, draw, with_model);
+      break;
+    }
     case 2: check_step<MasterCodec<MasterFormat::bf16_remainder, DType::bf16>>(in, in.flag()); break;
     default: check_step<MasterCodec<MasterFormat::none, DType::bf16>>(in, in.flag()); break;
   }

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "block8.hpp"
+#include "state_codec.hpp"
+#include "step_math.hpp"
 
 namespace {
 
@@ -342,5 +344,97 @@ TEST_CASE("8-bit block geometry: the small-tensor rule by global shape, blocks w
       REQUIRE(local >= 0);
       REQUIRE(local < g.blocks_in(cut1, cut2));
     }
+  }
+}
+
+namespace {
+
+// One block's step composed from its parts, each chosen independently of update_block8: the
+// decoded state (map value times scale; exp_avg_sq the square of its root), AdamW, the master
+// codec with the weight's own bits (weight_bits of the element's draw), exp_avg encoded to
+// nearest and sqrt(exp_avg_sq) with the state's rounding from bits 16-31.
+template <class Master, bool kDraw>
+void composed_step(std::vector<typename Master::Stored>& ps, std::vector<std::uint16_t>& model, std::vector<std::uint8_t>& mc,
+                   std::vector<std::uint8_t>& vc, float& ms, float& vs, const std::vector<float>& g, bool with_model,
+                   const std::vector<std::uint32_t>& random, const GroupConsts& k) {
+  const std::size_t n = g.size();
+  std::vector<float> m(n), root(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    float p = Master::decode(ps[i], model[i]);
+    m[i] = kSignedCodec8.map.value[mc[i]] * ms;
+    const float r = kUnsignedCodec8.map.value[vc[i]] * vs;
+    float v = r * r;
+    adamw_update(p, m[i], v, g[i], k);
+    root[i] = std::sqrt(v);
+    std::uint16_t w = 0;
+    typename Master::Stored stored{};
+    REQUIRE(Master::encode(p, with_model, kDraw, weight_bits(random[i]), stored, w));
+    ps[i] = stored;
+    if (with_model) model[i] = w;
+  }
+  std::vector<std::uint32_t> high(n);
+  for (std::size_t i = 0; i < n; ++i) high[i] = random[i] >> 16;
+  const int count = static_cast<int>(n);
+  REQUIRE(encode_block8(kSignedCodec8, m.data(), count, false, nullptr, 0, false, mc.data(), ms));
+  REQUIRE(encode_block8(kUnsignedCodec8, root.data(), count, kDraw, high.data(), 0, true, vc.data(), vs));
+}
+
+template <class Master, bool kDraw>
+void check_composed(bool with_model, int n) {
+  std::mt19937 gen(kDraw ? 41u : 42u);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::size_t u = static_cast<std::size_t>(n);
+  std::vector<typename Master::Stored> ps(u);
+  std::vector<std::uint16_t> model(u);
+  std::vector<std::uint8_t> mc(u), vc(u);
+  std::vector<float> g(u);
+  std::vector<std::uint32_t> random(u);
+  for (std::size_t i = 0; i < u; ++i) {
+    typename Master::Stored stored{};
+    std::uint16_t w = 0;
+    REQUIRE(Master::encode(1.0f + 0.1f * normal(gen), true, false, 0u, stored, w));
+    ps[i] = stored;
+    model[i] = with_model ? w : std::uint16_t{0};
+    mc[i] = static_cast<std::uint8_t>(gen());
+    vc[i] = static_cast<std::uint8_t>(gen());
+    g[i] = 1e-3f * normal(gen);
+    random[i] = static_cast<std::uint32_t>(gen());
+  }
+  float ms = 3e-4f, vs = 2e-3f;
+  GroupParams params{0.9f, 0.999f, 1e-8f, 0.01f, 1, 1, {0, 0}, 0};
+  const GroupConsts k = group_consts(params, 1e-3f, 5);
+  auto want_ps = ps;
+  auto want_model = model;
+  auto want_mc = mc, want_vc = vc;
+  float want_ms = ms, want_vs = vs;
+  composed_step<Master, kDraw>(want_ps, want_model, want_mc, want_vc, want_ms, want_vs, g, with_model, random, k);
+  // The block step reads only the buffers the format has: null where there is none.
+  typename Master::Stored* p_ps = Master::kStored ? ps.data() : nullptr;
+  std::uint16_t* p_model = with_model ? model.data() : nullptr;
+  const std::uint32_t* p_random = kDraw ? random.data() : nullptr;
+  REQUIRE_FALSE(update_block8<Master, kDraw>(kSignedCodec8, kUnsignedCodec8, p_ps, p_model, mc.data(), vc.data(), ms, vs,
+                                              g.data(), n, with_model, p_random, k));
+  REQUIRE(ms == want_ms);
+  REQUIRE(vs == want_vs);
+  for (std::size_t i = 0; i < u; ++i) {
+    INFO("element " << i);
+    if (Master::kStored) REQUIRE(std::memcmp(&ps[i], &want_ps[i], sizeof ps[i]) == 0);
+    if (with_model) REQUIRE(model[i] == want_model[i]);
+    REQUIRE(mc[i] == want_mc[i]);
+    REQUIRE(vc[i] == want_vc[i]);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("8-bit block step: AdamW on the decoded state, exp_avg to nearest, sqrt(exp_avg_sq) with bits 16-31, the weight with its own bits", "[block8]") {
+  using halfstep::DType;
+  using halfstep::MasterFormat;
+  for (int n : {256, 97}) {
+    check_composed<MasterCodec<MasterFormat::none, DType::bf16>, true>(true, n);
+    check_composed<MasterCodec<MasterFormat::none, DType::bf16>, false>(true, n);
+    check_composed<MasterCodec<MasterFormat::f32, DType::bf16>, true>(false, n);
+    check_composed<MasterCodec<MasterFormat::f32, DType::f16>, false>(true, n);
+    check_composed<MasterCodec<MasterFormat::bf16_remainder, DType::bf16>, true>(true, n);
   }
 }
