@@ -26,8 +26,6 @@
 #include "device.cuh"
 #endif
 
-#include <string.h>
-
 #include <cstdint>
 
 #include "halfstep/config.hpp"
@@ -141,12 +139,6 @@ inline constexpr Codec8 kUnsignedCodec8 = make_codec8(false);
 
 // -- one value -----------------------------------------------------------------------------------
 
-HALFSTEP_HD inline std::uint32_t bits8(float x) {
-  std::uint32_t b = 0;
-  ::memcpy(&b, &x, sizeof b);
-  return b;
-}
-
 /// The code of `x`, a value already divided by its block's absmax (|x| <= 1 up to the rounding of
 /// that division; beyond the map's ends the end codes), encoded by its magnitude: to the nearest
 /// value, a tie to the smaller magnitude; or stochastically, to the larger of the two magnitudes
@@ -159,7 +151,7 @@ HALFSTEP_HD inline std::uint32_t bits8(float x) {
 /// only its own sign handling; encode8 below reads it from the codec.
 template <bool kSigned>
 HALFSTEP_HD inline std::uint8_t encode8_as(const Codec8& codec, float x, bool stochastic, std::uint32_t random, bool positive) {
-  const std::uint32_t bits = bits8(x);
+  const std::uint32_t bits = bits_of(x);
   const float y = x < 0.0f ? -x : x;
   int e = static_cast<int>((bits & 0x7FFFFFFFu) >> (23 - kGuessBits8)) - (kGuessLowest8 << kGuessBits8);
   e = e < 0 ? 0 : e >= kGuessEntries8 ? kGuessEntries8 - 1 : e;
@@ -208,7 +200,7 @@ HALFSTEP_HD inline bool encode_block8(const Codec8& codec, const float* x, int n
                                       int shift, bool never_zero, std::uint8_t* codes, float& scale) {
   float absmax = 0.0f;
   for (int i = 0; i < n; ++i) {
-    if (!(x[i] - x[i] == 0.0f)) return false;  // inf or NaN
+    if (!finite32(x[i])) return false;
     const float a = x[i] < 0.0f ? -x[i] : x[i];
     absmax = a > absmax ? a : absmax;
   }
@@ -242,7 +234,7 @@ __device__ inline bool warp_encode_block8_as(const Codec8& codec, const float (&
 #pragma unroll
   for (int j = 0; j < kBlock8PerLane; ++j) {
     if (kFull || first + j < n) {
-      if (kChecked) finite = finite && x[j] - x[j] == 0.0f;
+      if (kChecked) finite = finite && finite32(x[j]);
       const float a = x[j] < 0.0f ? -x[j] : x[j];
       absmax = a > absmax ? a : absmax;
     }
