@@ -7,6 +7,7 @@
 // non-finite value.
 #include "device.cuh"
 
+#include "block8.hpp"
 #include "cuda_check.hpp"
 #include "gradient.cuh"
 #include "launch.hpp"
@@ -214,13 +215,84 @@ __device__ inline unsigned apply_chunk(const TensorDesc& tensor, const ChunkDesc
   return held;
 }
 
+// Pass 2 over one chunk of a tensor with block8 moments: a warp per block, the blocks that start
+// in the chunk (the last may run past its end: pieces hold whole blocks), lane l holding elements
+// 8l .. 8l + 7 of its block (kernels/block8.hpp, warp_update_block8). Blocks are numbered in the
+// whole tensor, rows of `row` elements each holding blocks_per_row blocks of 256, the last one the
+// rest of the row. A held block keeps all it held; returns the elements held (counted on lane 0).
+template <DType kGrad, class Master, bool kDraw>
+__device__ inline unsigned apply_chunk8(const TensorDesc& tensor, const ChunkDesc& chunk, const Decision& d,
+                                        const GroupConsts& k, const Codec8* codecs) {
+  using PS = typename Master::Stored;
+  constexpr int kWarps = kPassThreads / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32u);
+  const int first = lane * kBlock8PerLane;
+  // The first block that starts at or after element `index` of the whole tensor.
+  auto first_from = [&tensor](std::int64_t index) {
+    return index / tensor.row * tensor.blocks_per_row + (index % tensor.row + kBlock8 - 1) / kBlock8;
+  };
+  const std::int64_t b_end = first_from(tensor.key_offset + chunk.begin + chunk.len);
+  auto* master = static_cast<PS*>(tensor.master);
+  auto* model = static_cast<std::uint16_t*>(tensor.model);
+  auto* m_codes = static_cast<std::uint8_t*>(tensor.exp_avg);
+  auto* v_codes = static_cast<std::uint8_t*>(tensor.exp_avg_sq);
+  const bool with_model = model != nullptr;
+  const std::uint64_t key = kDraw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
+  unsigned held = 0;
+  for (std::int64_t b = first_from(tensor.key_offset + chunk.begin) + static_cast<int>(threadIdx.x / 32u); b < b_end;
+       b += kWarps) {  // warp-uniform
+    const std::int64_t in_row = b % tensor.blocks_per_row;
+    const std::int64_t start = b / tensor.blocks_per_row * tensor.row + in_row * kBlock8;  // in the whole tensor
+    const int n = static_cast<int>(in_row + 1 < tensor.blocks_per_row ? kBlock8 : tensor.row - in_row * kBlock8);
+    const std::int64_t at = start - tensor.key_offset + first;  // this lane's first element in the piece
+    PS ps[kBlock8PerLane];
+    std::uint16_t out[kBlock8PerLane];
+    std::uint8_t mc[kBlock8PerLane], vc[kBlock8PerLane];
+    float g[kBlock8PerLane];
+    std::uint32_t random[kBlock8PerLane];
+#pragma unroll
+    for (int j = 0; j < kBlock8PerLane; ++j) {
+      const bool mine = first + j < n;
+      ps[j] = Master::kStored && mine ? master[at + j] : PS{};
+      out[j] = Master::kReadsModel && mine ? model[at + j] : std::uint16_t{0};
+      mc[j] = mine ? m_codes[at + j] : kSignedZero8;
+      vc[j] = mine ? v_codes[at + j] : kUnsignedZero8;
+      g[j] = mine ? unscale(load_grad<kGrad>(tensor.grad, at + j), d) : 0.0f;
+      random[j] = kDraw ? element_bits(key, start + first + j) : 0u;
+    }
+    const std::int64_t s = b - tensor.first_block;
+    float m_scale = tensor.exp_avg_scale[s], v_scale = tensor.exp_avg_sq_scale[s];
+    if (warp_update_block8<Master, kDraw>(codecs[0], codecs[1], ps, out, mc, vc, m_scale, v_scale, g, n, with_model,
+                                          random, k)) {
+      if (lane == 0) held += static_cast<unsigned>(n);
+      continue;
+    }
+#pragma unroll
+    for (int j = 0; j < kBlock8PerLane; ++j) {
+      if (first + j < n) {
+        if constexpr (Master::kStored) master[at + j] = ps[j];
+        if (with_model) model[at + j] = out[j];
+        m_codes[at + j] = mc[j];
+        v_codes[at + j] = vc[j];
+      }
+    }
+    if (lane == 0) {
+      tensor.exp_avg_scale[s] = m_scale;
+      tensor.exp_avg_sq_scale[s] = v_scale;
+    }
+  }
+  return held;
+}
+
 // At most 64 registers a thread, so an H100/H200 SM holds 4 blocks (half occupancy) to keep
-// enough loads in flight.
+// enough loads in flight; with block8 moments 128 (2 blocks): a lane holds 8 elements of a block
+// and their new values until the block's vote and scales are known.
 template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
-__global__ void __launch_bounds__(kPassThreads, 4)
+__global__ void __launch_bounds__(kPassThreads, kM == MomentFormat::block8 ? 2 : 4)
     apply_kernel(const TensorDesc* __restrict__ tensors, const ChunkDesc* __restrict__ chunks,
                  const Decision* __restrict__ decision, const GroupConsts* __restrict__ consts,
-                 unsigned long long* __restrict__ held_elements, const int stochastic) {
+                 unsigned long long* __restrict__ held_elements, const int stochastic,
+                 const Codec8* __restrict__ codecs) {
   using F = Formats<kModel, kMaster, kM, kV>;
   if (decision->apply == 0) return;
   const Decision d = *decision;
@@ -229,7 +301,17 @@ __global__ void __launch_bounds__(kPassThreads, 4)
   const GroupConsts k = consts[tensor.group];
   if (tensor.grad == nullptr) return;  // no gradient for this tensor in this step: left alone
   unsigned held;
-  if constexpr (F::kNarrow) {  // stochastic rounding draws bits only where a format rounds with them
+  if constexpr (kM == MomentFormat::block8) {  // a warp per block; a tensor that keeps wide moments: fp32
+    using W = Formats<kModel, kMaster, MomentFormat::f32, MomentFormat::f32>;
+    if (tensor.quantized != 0) {
+      held = stochastic != 0 ? apply_chunk8<kGrad, typename W::Master, true>(tensor, chunk, d, k, codecs)
+                             : apply_chunk8<kGrad, typename W::Master, false>(tensor, chunk, d, k, codecs);
+    } else if constexpr (W::kNarrow) {
+      held = stochastic != 0 ? apply_chunk<kGrad, W, true>(tensor, chunk, d, k) : apply_chunk<kGrad, W, false>(tensor, chunk, d, k);
+    } else {
+      held = apply_chunk<kGrad, W, false>(tensor, chunk, d, k);
+    }
+  } else if constexpr (F::kNarrow) {  // stochastic rounding draws bits only where a format rounds with them
     held = stochastic != 0 ? apply_chunk<kGrad, F, true>(tensor, chunk, d, k) : apply_chunk<kGrad, F, false>(tensor, chunk, d, k);
   } else {
     held = apply_chunk<kGrad, F, false>(tensor, chunk, d, k);
@@ -243,13 +325,15 @@ template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, Mome
 void launch_one(dim3 grid, const ApplyArgs& a, unsigned long long* held, cudaStream_t stream) {
   const int stochastic = a.state.rounding == Rounding::stochastic ? 1 : 0;
   HALFSTEP_LAUNCH(grid, kPassThreads, 0, stream, apply_kernel<kGrad, kModel, kMaster, kM, kV>)(
-      a.tensors, a.chunks, a.decision, a.consts, held, stochastic);
+      a.tensors, a.chunks, a.decision, a.consts, held, stochastic, a.codecs);
 }
 
 template <DType kGrad, DType kModel, MasterFormat kMaster>
 void launch_moments(const StateFormat& s, dim3 grid, const ApplyArgs& a, unsigned long long* held, cudaStream_t stream) {
   using MF = MomentFormat;
-  if (s.exp_avg == MF::bf16) {
+  if (s.exp_avg == MF::block8) {  // both moments (StepConfig::validate)
+    launch_one<kGrad, kModel, kMaster, MF::block8, MF::block8>(grid, a, held, stream);
+  } else if (s.exp_avg == MF::bf16) {
     if (s.exp_avg_sq == MF::bf16) {
       launch_one<kGrad, kModel, kMaster, MF::bf16, MF::bf16>(grid, a, held, stream);
     } else {

@@ -13,6 +13,8 @@
 
 namespace halfstep::detail {
 
+struct Codec8;  // block8.hpp
+
 /// Arguments of pass 1.
 struct Pass1Args {
   const TensorDesc* tensors;
@@ -68,6 +70,7 @@ struct ApplyArgs {
   const Decision* decision;   // finalize's verdict
   const GroupConsts* consts;  // per group, for this step
   StepReport* report;         // held_elements: elements held back, added to
+  const Codec8* codecs;       // block8 moments: exp_avg's (signed) and exp_avg_sq's (unsigned) codec
 };
 
 /// Pass 2: one block per chunk; every block returns at once unless the decision is to apply.

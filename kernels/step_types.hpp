@@ -39,7 +39,16 @@ struct TensorDesc {
   std::uint8_t grad_vec;   // grad is 16-byte aligned: pass 1 may use vector loads
   std::uint8_t all_vec;    // every buffer is 16-byte aligned: pass 2 may use vector accesses
   std::uint8_t in_norm;    // counted in Σg² and the subnormal/zero counts (no ParamTensor::duplicate)
-  std::uint8_t pad_[5];
+  std::uint8_t quantized;  // block8 moments as codes and scales (moment_blocks); else fp32 moments
+  std::uint8_t pad_[4];
+  // A quantized tensor's blocks: scales per block of this piece, from block first_block of the
+  // whole tensor, whose rows hold `row` elements (blocks_per_row blocks) and `whole` elements.
+  float* exp_avg_scale;
+  float* exp_avg_sq_scale;
+  std::int64_t whole;
+  std::int64_t row;
+  std::int64_t blocks_per_row;
+  std::int64_t first_block;
 };
 
 /// One chunk: elements [begin, begin + len) of tensor `tensor`. Chunks are ordered by tensor.

@@ -86,7 +86,7 @@ struct AsCode {
 template <>
 struct Wire<MasterFormat> : AsCode<MasterFormat, 3> {};
 template <>
-struct Wire<MomentFormat> : AsCode<MomentFormat, 2> {};
+struct Wire<MomentFormat> : AsCode<MomentFormat, 3> {};
 template <>
 struct Wire<Rounding> : AsCode<Rounding, 2> {};
 

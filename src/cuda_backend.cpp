@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "block8.hpp"
 #include "check.hpp"
 #include "cuda_check.hpp"
 #include "fused_impl.hpp"
@@ -65,7 +66,7 @@ class CudaImpl final : public FusedAdamW::Impl {
     validate_distributed(dist_);
     check_device();
     if (config_.host_driven) scaler_ = DynamicLossScaler(config_.scaler);
-    const TensorTable table = build_tensor_table(tensors);
+    const TensorTable table = build_tensor_table(tensors, config_);
     n_tensors_ = table.tensors.size();
     n_chunks_ = static_cast<std::int64_t>(table.chunks.size());
     chunks_ = table.chunks;
@@ -294,9 +295,12 @@ class CudaImpl final : public FusedAdamW::Impl {
     }
     HALFSTEP_CUDA_CHECK(cudaGetDevice(&device_));
     for (std::size_t c = 0; c < dist_.comms.size(); ++c) check_communicator(dist_.comms[c], c, device_);
-    const auto slots = slot_layouts(config_);
     for (std::size_t t = 0; t < tensors_.size(); ++t) {
-      for (const SlotLayout& s : slots) require_device_buffer(slot_pointer(tensors_[t], s.slot), tensors_[t].numel, t, s.name, device_);
+      const ParamTensor& p = tensors_[t];
+      for (const SlotLayout& s : slot_layouts(config_, p)) require_device_buffer(slot_pointer(p, s.slot), p.numel, t, s.name, device_);
+      const std::int64_t blocks = moment_blocks(config_, p).blocks;
+      require_device_buffer(p.exp_avg_scale, blocks, t, "exp_avg_scale", device_);
+      require_device_buffer(p.exp_avg_sq_scale, blocks, t, "exp_avg_sq_scale", device_);
     }
   }
 
@@ -316,6 +320,11 @@ class CudaImpl final : public FusedAdamW::Impl {
     write_state(OptimizerState::initial(config_));
     const std::uint32_t hint = initial_window_hint(config_);
     upload(ws_.window_hint, &hint, 1);
+    if (config_.state.exp_avg == MomentFormat::block8) {  // the two maps and their guess tables, read by pass 2
+      const Codec8 codecs[2] = {kSignedCodec8, kUnsignedCodec8};
+      HALFSTEP_CUDA_CHECK(cudaMalloc(&codecs_.ptr, sizeof codecs));
+      upload(static_cast<Codec8*>(codecs_.ptr), codecs, 2);
+    }
   }
 
   // Every group's hyperparameters and learning rate, as config_ holds them.
@@ -339,7 +348,7 @@ class CudaImpl final : public FusedAdamW::Impl {
                              ws_.state, ws_.report, ws_.decision, ws_.params, ws_.lr, ws_.consts,
                              static_cast<std::int32_t>(config_.groups.size()), decide_params(config_)};
     apply_ = ApplyArgs{config_.grad_dtype, config_.model_dtype, config_.state, ws_.tensors, ws_.chunks, n_chunks_,
-                       ws_.decision, ws_.consts, ws_.report};
+                       ws_.decision, ws_.consts, ws_.report, static_cast<const Codec8*>(codecs_.ptr)};
   }
 
   template <class T>
@@ -461,6 +470,7 @@ class CudaImpl final : public FusedAdamW::Impl {
   std::vector<ChunkDesc> chunks_;
   DynamicLossScaler scaler_;
   DeviceMemory workspace_;
+  DeviceMemory codecs_;  // block8 moments: the signed and unsigned Codec8, in that order
   PinnedMemory pinned_;
   Event done_;
   Workspace ws_{};

@@ -59,6 +59,10 @@ Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int
 
 Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
             const ParamTensor& flat, const StepConfig& config) {
+  detail::require(config.state.exp_avg != MomentFormat::block8,
+                  "shard: block8 moments are not cut from a flat buffer yet (a flat space mixes 8-bit and fp32 "
+                  "moments and holds block scales): build each piece's ParamTensor with offset, whole_numel, row "
+                  "and its scales, starting and ending where blocks do");
   const auto slots = slot_layouts(config);
   std::int64_t total = 0;
   for (std::size_t t = 0; t < layout.size(); ++t) {

@@ -13,6 +13,7 @@
 
 #include "halfstep/distributed.hpp"
 
+#include "block8.hpp"
 #include "check.hpp"
 #include "halfstep/error.hpp"
 #include "reference_impl.hpp"
@@ -171,65 +172,162 @@ double master_value(const StepConfig& config, const ParamTensor& p, std::int64_t
   return static_cast<const float*>(p.master)[i];
 }
 
-// AdamW on every element of one tensor (the `index`-th of the step). `coef` is clip / S: it
-// unscales and clips at once. The arithmetic is in double; its results are stored as the formats
-// say: fp32 first, then the master (with a bf16 model copy, canonical_master's value) and its
-// model copy, and each moment in its format. An element whose stored values would not all be
-// finite keeps its old ones; returns how many did.
-std::int64_t apply_tensor(const ParamTensor& p, std::size_t index, const StepConfig& config, double coef, std::int64_t t) {
-  const AdamWConfig& h = config.groups[static_cast<std::size_t>(p.group)];
-  const StateFormat& f = config.state;
-  const double lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, wd = h.weight_decay;
-  const double bc1 = h.bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(steps_of_group(h, t))) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(steps_of_group(h, t))) : 1.0;
-  const bool remainder = f.master == MasterFormat::bf16_remainder;
-  const bool no_master = f.master == MasterFormat::none;
-  const bool canonical = p.model != nullptr && config.model_dtype == DType::bf16 && !no_master;
-  const std::uint32_t id = p.tensor_id != 0 ? p.tensor_id : static_cast<std::uint32_t>(index + 1);
-  std::int64_t held = 0;
-  for (std::int64_t i = 0; i < p.numel; ++i) {
+// One element's AdamW step in double, and what it would store: its master (with a bf16 model
+// copy, canonical_master's value), the model copy (the stored fp32 master rounded once; with
+// remainders half of it; without a master the fp32 result with the state's rounding), and the
+// new moments before their storage formats round them. `finite`: the master and model copy are.
+struct ElementStep {
+  double m = 0.0, v = 0.0;
+  float w = 0.0f;
+  std::uint16_t model = 0;
+  std::int16_t rest = 0;
+  std::uint32_t random = 0;  // the element's draw for stochastic rounding (0 to nearest)
+  bool finite = false;
+};
+
+struct TensorStep {
+  const ParamTensor& p;
+  const StepConfig& config;
+  double coef, lr, beta1, beta2, eps, wd, bc1, bc2;
+  bool decoupled, remainder, no_master, canonical;
+  std::uint32_t id;
+  std::int64_t t;
+
+  TensorStep(const ParamTensor& tensor, std::size_t index, const StepConfig& c, double clip_coef, std::int64_t step)
+      : p(tensor), config(c), coef(clip_coef), t(step) {
+    const AdamWConfig& h = c.groups[static_cast<std::size_t>(tensor.group)];
+    lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, wd = h.weight_decay;
+    bc1 = h.bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(steps_of_group(h, step))) : 1.0;
+    bc2 = h.bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(steps_of_group(h, step))) : 1.0;
+    decoupled = h.decoupled_weight_decay;
+    remainder = c.state.master == MasterFormat::bf16_remainder;
+    no_master = c.state.master == MasterFormat::none;
+    canonical = tensor.model != nullptr && c.model_dtype == DType::bf16 && !no_master;
+    id = tensor.tensor_id != 0 ? tensor.tensor_id : static_cast<std::uint32_t>(index + 1);
+  }
+
+  // Element i from its stored moments m0, v0.
+  ElementStep element(std::int64_t i, double m0, double v0) const {
+    const StateFormat& f = config.state;
+    ElementStep e;
     double w = master_value(config, p, i);
     double g = grad_value(p, config.grad_dtype, i) * coef;
-    if (h.decoupled_weight_decay) {
+    if (decoupled) {
       w = w * (1.0 - lr * wd);  // decoupled decay shrinks the weight itself
     } else {
       g = g + wd * w;  // classic L2: the decay joins the gradient
     }
-    const double m = beta1 * moment_value(f.exp_avg, p.exp_avg, i) + (1.0 - beta1) * g;
-    const double v = beta2 * moment_value(f.exp_avg_sq, p.exp_avg_sq, i) + (1.0 - beta2) * g * g;
-    w = w - (lr / bc1) * m / (std::sqrt(v) / std::sqrt(bc2) + eps);
-    float new_w = static_cast<float>(w);
-    const std::uint32_t random = f.rounding == Rounding::stochastic ? random_bits(f.seed, t, id, p.offset + i) : 0;
-    std::uint32_t m_bits = 0, v_bits = 0;
-    bool finite = std::isfinite(new_w) &&
-                  encode_moment(f.exp_avg, f.rounding, static_cast<float>(m), random, m_bits) &&
-                  encode_moment(f.exp_avg_sq, f.rounding, static_cast<float>(v), random >> 16,
-                                v_bits);
-    if (finite && canonical) new_w = float_of_bits(canonical_master(bits_of_float(new_w)));
-    // The model copy is the stored fp32 master, rounded once; with remainders, half of it; without
-    // a master, the fp32 result with the state's rounding.
-    std::uint16_t model = finite && p.model != nullptr ? to_bits16(config.model_dtype, new_w) : 0;
-    if (finite && no_master && f.rounding == Rounding::stochastic) {
-      model = static_cast<std::uint16_t>((bits_of_float(new_w) + (weight_random_bits(random) & 0xFFFFu)) >> 16);
+    e.m = beta1 * m0 + (1.0 - beta1) * g;
+    e.v = beta2 * v0 + (1.0 - beta2) * g * g;
+    w = w - (lr / bc1) * e.m / (std::sqrt(e.v) / std::sqrt(bc2) + eps);
+    e.w = static_cast<float>(w);
+    e.random = f.rounding == Rounding::stochastic ? random_bits(f.seed, t, id, p.offset + i) : 0;
+    e.finite = std::isfinite(e.w);
+    if (e.finite && canonical) e.w = float_of_bits(canonical_master(bits_of_float(e.w)));
+    e.model = e.finite && p.model != nullptr ? to_bits16(config.model_dtype, e.w) : 0;
+    if (e.finite && no_master && f.rounding == Rounding::stochastic) {
+      e.model = static_cast<std::uint16_t>((bits_of_float(e.w) + (weight_random_bits(e.random) & 0xFFFFu)) >> 16);
     }
+    if (e.finite && p.model != nullptr) e.finite = finite_bits16(config.model_dtype, e.model);
     std::uint16_t split_model = 0;
-    std::int16_t split_rest = 0;
-    if (finite && p.model != nullptr) finite = finite_bits16(config.model_dtype, model);
-    if (finite && remainder) finite = split_master(bits_of_float(new_w), split_model, split_rest) && split_model == model;
+    if (e.finite && remainder) e.finite = split_master(bits_of_float(e.w), split_model, e.rest) && split_model == e.model;
+    return e;
+  }
+
+  // Stores element i's master and model copy.
+  void store_weight(std::int64_t i, const ElementStep& e) const {
+    if (remainder) {
+      static_cast<std::int16_t*>(p.master)[i] = e.rest;
+    } else if (!no_master) {
+      static_cast<float*>(p.master)[i] = e.w;
+    }
+    if (p.model != nullptr) static_cast<std::uint16_t*>(p.model)[i] = e.model;
+  }
+};
+
+// AdamW on every element of one tensor (the `index`-th of the step) with moments of one value per
+// element (fp32, bf16; fp32 for a tensor that keeps wide moments under block8). `coef` is clip / S:
+// it unscales and clips at once. An element whose stored values would not all be finite keeps its
+// old ones; returns how many did.
+std::int64_t apply_elements(const TensorStep& s, MomentFormat exp_avg, MomentFormat exp_avg_sq) {
+  const ParamTensor& p = s.p;
+  const Rounding rounding = s.config.state.rounding;
+  std::int64_t held = 0;
+  for (std::int64_t i = 0; i < p.numel; ++i) {
+    const ElementStep e = s.element(i, moment_value(exp_avg, p.exp_avg, i), moment_value(exp_avg_sq, p.exp_avg_sq, i));
+    std::uint32_t m_bits = 0, v_bits = 0;
+    const bool finite = e.finite && encode_moment(exp_avg, rounding, static_cast<float>(e.m), e.random, m_bits) &&
+                        encode_moment(exp_avg_sq, rounding, static_cast<float>(e.v), e.random >> 16, v_bits);
     if (!finite) {
       ++held;
       continue;
     }
-    if (remainder) {
-      static_cast<std::int16_t*>(p.master)[i] = split_rest;
-    } else if (!no_master) {
-      static_cast<float*>(p.master)[i] = new_w;
-    }
-    store_moment(f.exp_avg, p.exp_avg, i, m_bits);
-    store_moment(f.exp_avg_sq, p.exp_avg_sq, i, v_bits);
-    if (p.model != nullptr) static_cast<std::uint16_t*>(p.model)[i] = model;
+    s.store_weight(i, e);
+    store_moment(exp_avg, p.exp_avg, i, m_bits);
+    store_moment(exp_avg_sq, p.exp_avg_sq, i, v_bits);
   }
   return held;
+}
+
+// AdamW on a tensor with block8 moments, a block at a time: each element decodes exp_avg =
+// map·scale and exp_avg_sq = (map·scale)², steps in double; then each block stores its new
+// exp_avg (to nearest) and sqrt(exp_avg_sq) (with the state's rounding, bits 16-31 of the
+// element's draw, a positive root never as 0) as codes with new scales (the codec of
+// kernels/block8.hpp: the format's definition, as to_bf16_bits is bf16's). A block any of whose
+// new values would not be finite keeps everything it held; returns the elements held.
+std::int64_t apply_blocks(const TensorStep& s, const MomentBlocks& b) {
+  const ParamTensor& p = s.p;
+  const std::int64_t whole = p.whole_numel != 0 ? p.whole_numel : p.numel;
+  const detail::Block8Geometry g = detail::block8_geometry(whole, p.row);
+  const bool stochastic = s.config.state.rounding == Rounding::stochastic;
+  auto* m_codes = static_cast<std::uint8_t*>(p.exp_avg);
+  auto* v_codes = static_cast<std::uint8_t*>(p.exp_avg_sq);
+  std::int64_t held = 0;
+  std::int64_t i = 0;  // the block's first element in the piece
+  for (std::int64_t k = 0; k < b.blocks; ++k) {
+    const int n = static_cast<int>(g.block_size(b.first + k));
+    ElementStep e[detail::kBlock8];
+    float m[detail::kBlock8], root[detail::kBlock8];
+    std::uint32_t random[detail::kBlock8];
+    bool finite = true;
+    for (int j = 0; j < n; ++j) {
+      const double m0 = detail::decode8(detail::kSignedCodec8, m_codes[i + j], p.exp_avg_scale[k]);
+      const double r0 = detail::decode8(detail::kUnsignedCodec8, v_codes[i + j], p.exp_avg_sq_scale[k]);
+      e[j] = s.element(i + j, m0, r0 * r0);
+      m[j] = static_cast<float>(e[j].m);
+      root[j] = static_cast<float>(std::sqrt(e[j].v));
+      random[j] = e[j].random;
+      finite = finite && e[j].finite && std::isfinite(m[j]) && std::isfinite(static_cast<float>(e[j].v));
+    }
+    std::uint8_t mc[detail::kBlock8], vc[detail::kBlock8];
+    float ms = 0.0f, vs = 0.0f;
+    if (finite) {
+      finite = detail::encode_block8(detail::kSignedCodec8, m, n, false, random, 0, false, mc, ms) &&
+               detail::encode_block8(detail::kUnsignedCodec8, root, n, stochastic, random, 16, true, vc, vs);
+    }
+    if (!finite) {
+      held += n;
+    } else {
+      for (int j = 0; j < n; ++j) {
+        s.store_weight(i + j, e[j]);
+        m_codes[i + j] = mc[j];
+        v_codes[i + j] = vc[j];
+      }
+      p.exp_avg_scale[k] = ms;
+      p.exp_avg_sq_scale[k] = vs;
+    }
+    i += n;
+  }
+  return held;
+}
+
+// AdamW on every element of one tensor in its state formats.
+std::int64_t apply_tensor(const ParamTensor& p, std::size_t index, const StepConfig& config, double coef, std::int64_t t) {
+  const TensorStep s(p, index, config, coef, t);
+  const MomentBlocks b = moment_blocks(config, p);
+  if (b.quantized) return apply_blocks(s, b);
+  if (config.state.exp_avg == MomentFormat::block8) return apply_elements(s, MomentFormat::f32, MomentFormat::f32);
+  return apply_elements(s, config.state.exp_avg, config.state.exp_avg_sq);
 }
 
 // ---- Σg², exactly -------------------------------------------------------------------------

@@ -67,6 +67,9 @@ std::vector<Part> parts_of(const FusedAdamW& opt, const std::vector<std::string>
     require(names.size() == tensors.size(), "names must hold one name per tensor (", tensors.size(),
             "), got ", names.size());
   }
+  require(opt.config().state.exp_avg != MomentFormat::block8,
+          "safetensors checkpoints do not hold block8 moments (8-bit codes and block scales) yet: save "
+          "the optimizer's state through its buffers, or step with f32 or bf16 moments");
   std::vector<Part> parts;
   std::set<std::string> seen;
   for (std::size_t t = 0; t < tensors.size(); ++t) {

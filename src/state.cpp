@@ -1,6 +1,7 @@
 // The state formats and the slots of a tensor: the one description of what each buffer holds.
 #include "halfstep/state.hpp"
 
+#include "block8.hpp"
 #include "check.hpp"
 #include "halfstep/step.hpp"
 
@@ -19,6 +20,7 @@ const char* moment_format_name(MomentFormat format) {
   switch (format) {
     case MomentFormat::f32: return "f32";
     case MomentFormat::bf16: return "bf16";
+    case MomentFormat::block8: return "block8";
   }
   return "unknown";
 }
@@ -37,6 +39,7 @@ const char* storage_name(Storage storage) {
     case Storage::f16: return "F16";
     case Storage::bf16: return "BF16";
     case Storage::i16: return "I16";
+    case Storage::u8: return "U8";
   }
   return "unknown";
 }
@@ -46,8 +49,10 @@ namespace {
 Storage storage_of(DType dtype) {
   return dtype == DType::f32 ? Storage::f32 : dtype == DType::bf16 ? Storage::bf16 : Storage::f16;
 }
-Storage storage_of(MomentFormat format) { return format == MomentFormat::bf16 ? Storage::bf16 : Storage::f32; }
-std::size_t bytes_of(Storage storage) { return storage == Storage::f32 ? 4 : 2; }
+Storage storage_of(MomentFormat format) {
+  return format == MomentFormat::bf16 ? Storage::bf16 : format == MomentFormat::block8 ? Storage::u8 : Storage::f32;
+}
+std::size_t bytes_of(Storage storage) { return storage == Storage::f32 ? 4 : storage == Storage::u8 ? 1 : 2; }
 
 SlotLayout make(Slot slot, const char* name, Storage storage, bool state, bool read, bool written, bool nullable) {
   return SlotLayout{slot, name, storage, bytes_of(storage), state, read, written, nullable, true};
@@ -68,6 +73,32 @@ std::array<SlotLayout, kSlotCount> slot_layouts(const StepConfig& c) {
           make(Slot::exp_avg, "exp_avg", storage_of(c.state.exp_avg), true, true, true, false),
           make(Slot::exp_avg_sq, "exp_avg_sq", storage_of(c.state.exp_avg_sq), true, true, true, false),
           make(Slot::model, "model", storage_of(c.model_dtype), false, model_read, true, !model_read)};
+}
+
+std::array<SlotLayout, kSlotCount> slot_layouts(const StepConfig& c, const ParamTensor& tensor) {
+  auto slots = slot_layouts(c);
+  if (c.state.exp_avg == MomentFormat::block8 && !moment_blocks(c, tensor).quantized) {
+    for (SlotLayout& s : slots) {
+      if (s.slot == Slot::exp_avg || s.slot == Slot::exp_avg_sq) {
+        s.storage = Storage::f32;
+        s.element_bytes = 4;
+      }
+    }
+  }
+  return slots;
+}
+
+MomentBlocks moment_blocks(const StepConfig& c, const ParamTensor& t) {
+  MomentBlocks b;
+  if (c.state.exp_avg != MomentFormat::block8) return b;
+  const std::int64_t whole = t.whole_numel != 0 ? t.whole_numel : t.numel;
+  const detail::Block8Geometry g = detail::block8_geometry(whole, t.row);
+  if (!g.quantized) return b;
+  b.quantized = true;
+  if (t.offset < 0 || t.numel < 0 || t.offset > whole - t.numel) return b;  // validate names the rule
+  b.first = t.offset < whole ? g.block_of(t.offset) : g.blocks;
+  b.blocks = g.blocks_in(t.offset, t.offset + t.numel);
+  return b;
 }
 
 const void* slot_pointer(const ParamTensor& t, Slot slot) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "block8.hpp"
 #include "check.hpp"
 #include "fused_impl.hpp"
 
@@ -68,9 +69,13 @@ void StepConfig::validate() const {
                                              : "the master is the bf16 model copy and an int16 remainder",
           "), but StepConfig.model_dtype is ", dtype_name(model_dtype));
   for (const auto& [name, format] : {std::pair{"exp_avg", state.exp_avg}, std::pair{"exp_avg_sq", state.exp_avg_sq}}) {
-    require(format == MomentFormat::f32 || format == MomentFormat::bf16, "StepConfig.state.", name,
-            " must be f32 or bf16, got code ", static_cast<int>(format));
+    require(format == MomentFormat::f32 || format == MomentFormat::bf16 || format == MomentFormat::block8,
+            "StepConfig.state.", name, " must be f32, bf16 or block8, got code ", static_cast<int>(format));
   }
+  require((state.exp_avg == MomentFormat::block8) == (state.exp_avg_sq == MomentFormat::block8),
+          "StepConfig.state.exp_avg and exp_avg_sq must both be block8 or neither (the blocks of a tensor ",
+          "hold both moments' scales), got ", moment_format_name(state.exp_avg), " and ",
+          moment_format_name(state.exp_avg_sq));
   require(state.rounding == Rounding::nearest || state.rounding == Rounding::stochastic,
           "StepConfig.state.rounding must be nearest or stochastic, got code ", static_cast<int>(state.rounding));
 }
@@ -113,13 +118,48 @@ void check_buffer(std::vector<Span>& spans, std::size_t t, const char* field, co
   spans.push_back({begin, begin + bytes, t, field});
 }
 
+// The whole tensor's shape and the block scales of tensor t under MomentFormat::block8 (its
+// scale pointers must be null under every other format, and for tensors that keep wide moments).
+void check_blocks(std::vector<Span>& spans, std::size_t t, const ParamTensor& p, const StepConfig& config) {
+  require(p.whole_numel >= 0, "tensors[", t, "].whole_numel must be >= 0 (0: the buffer is the whole tensor), got ",
+          p.whole_numel);
+  require(p.row >= 0, "tensors[", t, "].row must be >= 0 (0: one row), got ", p.row);
+  const bool block8 = config.state.exp_avg == MomentFormat::block8;
+  if (block8) {
+    require(p.offset == 0 || p.whole_numel != 0, "tensors[", t, "].whole_numel must be set for a piece of a tensor ",
+            "(offset ", p.offset, " > 0) under block8 moments: the blocks follow the whole tensor's shape");
+    const std::int64_t whole = p.whole_numel != 0 ? p.whole_numel : p.numel;
+    require(p.offset <= whole - p.numel, "tensors[", t, "]: offset + numel = ", p.offset, " + ", p.numel,
+            " must be <= whole_numel = ", whole);
+    require(p.row == 0 || (whole % p.row == 0), "tensors[", t, "].row = ", p.row,
+            " must divide the whole tensor's ", whole, " elements");
+  }
+  const MomentBlocks b = moment_blocks(config, p);
+  if (!b.quantized) {
+    for (const auto& [name, scale] : {std::pair{"exp_avg_scale", p.exp_avg_scale}, std::pair{"exp_avg_sq_scale", p.exp_avg_sq_scale}}) {
+      require(scale == nullptr, "tensors[", t, "].", name, " must be null: ",
+              block8 ? "the tensor keeps fp32 moments (fewer than 4096 elements, or rows shorter than 32)"
+                     : "only block8 moments have block scales", ", got ", static_cast<const void*>(scale));
+    }
+    return;
+  }
+  const std::int64_t whole = p.whole_numel != 0 ? p.whole_numel : p.numel;
+  const detail::Block8Geometry g = detail::block8_geometry(whole, p.row);
+  for (const std::int64_t at : {p.offset, p.offset + p.numel}) {
+    require(g.starts_block(at), "tensors[", t, "]: a piece of a tensor with block8 moments must start and end where ",
+            "blocks do (256 elements of a row of ", g.row, ", a row's last block holding the rest), but element ", at,
+            " of the whole tensor is inside block ", g.block_of(at));
+  }
+  check_buffer(spans, t, "exp_avg_scale", p.exp_avg_scale, b.blocks, sizeof(float), false);
+  check_buffer(spans, t, "exp_avg_sq_scale", p.exp_avg_sq_scale, b.blocks, sizeof(float), false);
+}
+
 }  // namespace
 
 void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config) {
   config.validate();
   std::vector<Span> spans;
-  spans.reserve(tensors.size() * kSlotCount);
-  const auto slots = slot_layouts(config);
+  spans.reserve(tensors.size() * (kSlotCount + 2));
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     const ParamTensor& p = tensors[t];
     require(p.numel >= 0, "tensors[", t, "].numel must be >= 0, got ", p.numel);
@@ -131,7 +171,8 @@ void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config)
             "].numel is too large, got ", p.numel);
     require(p.offset >= 0 && p.offset <= INT64_MAX - p.numel, "tensors[", t,
             "].offset must be >= 0 and offset + numel must fit an int64, got offset ", p.offset);
-    for (const SlotLayout& s : slots) {  // a null gradient: none this step
+    check_blocks(spans, t, p, config);
+    for (const SlotLayout& s : slot_layouts(config, p)) {  // a null gradient: none this step
       check_buffer(spans, t, s.name, slot_pointer(p, s.slot), p.numel, s.element_bytes, s.nullable,
                    needed_because(config, s.slot));
     }
@@ -153,11 +194,15 @@ namespace detail {
 
 WrittenSpans written_spans(const std::vector<ParamTensor>& tensors, const StepConfig& config) {
   std::vector<Span> spans;
-  const auto slots = slot_layouts(config);
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     const ParamTensor& p = tensors[t];
-    for (const SlotLayout& s : slots) {
+    for (const SlotLayout& s : slot_layouts(config, p)) {
       if (s.written) check_buffer(spans, t, s.name, slot_pointer(p, s.slot), p.numel, s.element_bytes, s.nullable);
+    }
+    const MomentBlocks b = moment_blocks(config, p);
+    if (b.quantized) {
+      check_buffer(spans, t, "exp_avg_scale", p.exp_avg_scale, b.blocks, sizeof(float), false);
+      check_buffer(spans, t, "exp_avg_sq_scale", p.exp_avg_sq_scale, b.blocks, sizeof(float), false);
     }
   }
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "block8.hpp"
 #include "check.hpp"
 #include "exact_sum.hpp"
 #include "halfstep/distributed.hpp"
@@ -28,7 +29,7 @@ std::int64_t numel_in_norm(const std::vector<ParamTensor>& tensors) {
   return n;
 }
 
-TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
+TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors, const StepConfig& config) {
   require(tensors.size() <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
           "at most 2^31 - 1 tensors, got ", tensors.size());
   // Count first, so a table too large for one launch is refused before anything is allocated.
@@ -57,6 +58,17 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors) {
     d.grad_vec = p.grad != nullptr && aligned16(p.grad) ? 1 : 0;
     d.in_norm = p.duplicate ? 0 : 1;
     d.all_vec = all_aligned(p) ? 1 : 0;
+    const MomentBlocks blocks = moment_blocks(config, p);
+    if (blocks.quantized) {
+      const Block8Geometry g = block8_geometry(p.whole_numel != 0 ? p.whole_numel : p.numel, p.row);
+      d.quantized = 1;
+      d.exp_avg_scale = p.exp_avg_scale;
+      d.exp_avg_sq_scale = p.exp_avg_sq_scale;
+      d.whole = g.numel;
+      d.row = g.row;
+      d.blocks_per_row = g.blocks_per_row;
+      d.first_block = blocks.first;
+    }
     table.tensors.push_back(d);
     for (std::int64_t begin = 0; begin < p.numel; begin += kChunkElems) {
       const std::int64_t len = std::min(kChunkElems, p.numel - begin);

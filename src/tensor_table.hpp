@@ -26,8 +26,10 @@ std::int64_t numel_in_norm(const std::vector<ParamTensor>& tensors);
 
 /// Splits every tensor into chunks of kChunkElems elements (the last one shorter), in tensor
 /// order; zero-length tensors get a row and no chunk. Marks which tensors may use 16-byte
-/// accesses. Throws halfstep::Error if the chunks would not fit one launch's grid.
-TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors);
+/// accesses. Pass 2 runs a chunk of a tensor with block8 moments (`config`) a block at a time:
+/// the blocks that start in it, the last running past the chunk's end. Throws halfstep::Error if
+/// the chunks would not fit one launch's grid.
+TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors, const StepConfig& config = StepConfig{});
 
 /// Where each piece of the step's device workspace sits in its one allocation (byte offsets,
 /// each 256-byte aligned), and the allocation's size. Throws halfstep::Error if the size does not

@@ -29,6 +29,13 @@ enum class MasterFormat : std::uint8_t {
 enum class MomentFormat : std::uint8_t {
   f32,   ///< fp32
   bf16,  ///< bfloat16: decoded to fp32 for the update, stored with StateFormat::rounding
+  /// Block-wise 8-bit codes: a code per element and one fp32 scale per block of up to 256
+  /// elements of a row of the whole tensor (ParamTensor::exp_avg_scale, exp_avg_sq_scale).
+  /// exp_avg takes a signed map, rounded to nearest; exp_avg_sq is stored as the codes of its
+  /// square root in an unsigned map, with StateFormat::rounding. Both moments take it or neither.
+  /// A tensor of fewer than 4096 elements, or with rows shorter than 32, keeps fp32 moments
+  /// (moment_blocks), decided by the whole tensor's shape, never a shard's.
+  block8,
 };
 
 /// How an fp32 result is stored in a narrower moment format.
@@ -39,7 +46,7 @@ enum class Rounding : std::uint8_t {
                ///< any number of ranks and across a resume
 };
 
-/// "f32", "bf16_remainder" or "none"; "f32" or "bf16"; "nearest" or "stochastic".
+/// "f32", "bf16_remainder" or "none"; "f32", "bf16" or "block8"; "nearest" or "stochastic".
 HALFSTEP_API const char* master_format_name(MasterFormat format);
 HALFSTEP_API const char* moment_format_name(MomentFormat format);
 HALFSTEP_API const char* rounding_name(Rounding rounding);
@@ -63,9 +70,9 @@ enum class Slot : std::uint8_t { master, grad, exp_avg, exp_avg_sq, model };
 inline constexpr int kSlotCount = 5;
 
 /// What a buffer's elements are.
-enum class Storage : std::uint8_t { f32, f16, bf16, i16 };
+enum class Storage : std::uint8_t { f32, f16, bf16, i16, u8 };
 
-/// "F32", "F16", "BF16", "I16": the element types of safetensors files.
+/// "F32", "F16", "BF16", "I16", "U8": the element types of safetensors files.
 HALFSTEP_API const char* storage_name(Storage storage);
 
 /// One buffer of a tensor under a configuration.
@@ -82,8 +89,29 @@ struct SlotLayout {
                               ///< MasterFormat::none) has element_bytes 0 and must be null
 };
 
-/// The five buffers of every tensor of a step with `config`, in Slot order.
+/// The five buffers of every tensor of a step with `config`, in Slot order. Under
+/// MomentFormat::block8 the moments are the 8-bit codes of a quantized tensor (one byte an
+/// element; the scales are apart, moment_blocks); slot_layouts(config, tensor) says what one
+/// tensor holds.
 HALFSTEP_API std::array<SlotLayout, kSlotCount> slot_layouts(const StepConfig& config);
+/// The five buffers of `tensor` under `config`: slot_layouts(config), except that a tensor that
+/// keeps wide moments under MomentFormat::block8 holds them in fp32.
+HALFSTEP_API std::array<SlotLayout, kSlotCount> slot_layouts(const StepConfig& config, const ParamTensor& tensor);
+
+/// How one tensor (or a piece of it) holds its moments under MomentFormat::block8.
+struct MomentBlocks {
+  bool quantized = false;    ///< 8-bit codes and scales; false: fp32 moments (every other format,
+                             ///< and block8 tensors of fewer than 4096 elements or rows shorter
+                             ///< than 32)
+  std::int64_t blocks = 0;   ///< scales per moment the piece holds: the blocks its elements lie in
+  std::int64_t first = 0;    ///< the index of the piece's first block in the whole tensor
+};
+
+/// The blocks of `tensor` under `config`, from the whole tensor's shape (ParamTensor::whole_numel
+/// and row) and the piece's place in it (offset, numel). Blocks are 256 consecutive elements of a
+/// row, a row's last block holding what is left, a row shorter than 256 one block; a piece of a
+/// quantized tensor must start and end where blocks do (validate checks it).
+HALFSTEP_API MomentBlocks moment_blocks(const StepConfig& config, const ParamTensor& tensor);
 
 /// A tensor's buffer for `slot`.
 HALFSTEP_API const void* slot_pointer(const ParamTensor& tensor, Slot slot);

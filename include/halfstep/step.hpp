@@ -56,6 +56,19 @@ struct ParamTensor {
   std::uint32_t tensor_id = 0;
   /// The index, in the whole tensor, of this buffer's first element (a shard's start; shard sets it).
   std::int64_t offset = 0;
+  /// Elements of the whole tensor this buffer is a piece of; 0: the buffer is the whole tensor
+  /// (numel elements). Read by MomentFormat::block8, whose blocks and small-tensor rule follow
+  /// the whole tensor's shape: there a piece (offset > 0) must set it, and so must a first piece.
+  std::int64_t whole_numel = 0;
+  /// Elements per row of the whole tensor (the product of every dimension but the
+  /// first); 0: one row. Read by MomentFormat::block8: blocks never straddle a
+  /// row, so a shard that starts at a row (FSDP2's Shard(0)) holds whole blocks.
+  std::int64_t row = 0;
+  /// MomentFormat::block8, a quantized tensor (moment_blocks): exp_avg's fp32 scale per block of
+  /// this piece, moment_blocks(...).blocks of them; null otherwise.
+  float* exp_avg_scale = nullptr;
+  /// The same for exp_avg_sq (the scales of its square root).
+  float* exp_avg_sq_scale = nullptr;
 };
 
 /// Everything that shapes a step.

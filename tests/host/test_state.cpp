@@ -208,7 +208,7 @@ TEST_CASE("state formats a step cannot serve are refused by name", "[state][vali
   c.model_dtype = c.grad_dtype = DType::bf16;
   CHECK_NOTHROW(c.validate());
   c.state.exp_avg = static_cast<MomentFormat>(7);
-  CHECK_THROWS_WITH(c.validate(), Catch::Contains("StepConfig.state.exp_avg must be f32 or bf16"));
+  CHECK_THROWS_WITH(c.validate(), Catch::Contains("StepConfig.state.exp_avg must be f32, bf16 or block8"));
   c.state.exp_avg = MomentFormat::bf16;
   c.state.rounding = static_cast<Rounding>(3);
   CHECK_THROWS_WITH(c.validate(), Catch::Contains("StepConfig.state.rounding"));
