@@ -85,8 +85,6 @@ class CpuEngine final : public Engine {
   CpuEngine(const Dims& dims, const Dataset& data, const std::vector<std::vector<float>>& masters,
             std::int64_t steps, const halfstep::StepConfig& config)
       : dims_(dims), data_(data), losses_(static_cast<std::size_t>(steps), NAN) {
-    const std::size_t m_bytes = slot_bytes(config, halfstep::Slot::exp_avg);
-    const std::size_t v_bytes = slot_bytes(config, halfstep::Slot::exp_avg_sq);
     const auto shapes = tensor_shapes(dims);
     std::size_t total = 0;
     for (const TensorShape& t : shapes) total += static_cast<std::size_t>(t.numel);
@@ -96,8 +94,12 @@ class CpuEngine final : public Engine {
     for (std::size_t t = 0; t < shapes.size(); ++t) {
       Param p;
       p.master = masters[t];
-      p.m.assign(p.master.size() * m_bytes, 0);  // zero in every moment format
-      p.v.assign(p.master.size() * v_bytes, 0);
+      p.shape = shapes[t];
+      // Zero in every moment format (block8: scales of 0 decode every code to 0).
+      p.m.assign(p.master.size() * slot_bytes(config, halfstep::Slot::exp_avg, shapes[t]), 0);
+      p.v.assign(p.master.size() * slot_bytes(config, halfstep::Slot::exp_avg_sq, shapes[t]), 0);
+      p.m_scale.assign(scale_count(config, shapes[t]), 0.0f);
+      p.v_scale.assign(p.m_scale.size(), 0.0f);
       p.n = p.master.size();
       p.grad = flat_grad_.data() + at;
       p.model = flat_model_.data() + at;
@@ -129,6 +131,9 @@ class CpuEngine final : public Engine {
     for (Param& p : params_) {
       out.push_back({p.master.data(), p.grad, p.m.data(), p.v.data(), p.model,
                      static_cast<std::int64_t>(p.master.size()), p.group});
+      out.back().row = p.shape.row;
+      out.back().exp_avg_scale = p.m_scale.empty() ? nullptr : p.m_scale.data();
+      out.back().exp_avg_sq_scale = p.v_scale.empty() ? nullptr : p.v_scale.data();
     }
     return out;
   }
@@ -219,6 +224,8 @@ class CpuEngine final : public Engine {
   struct Param {
     std::vector<float> master;
     std::vector<unsigned char> m, v;  // the moments in their format
+    std::vector<float> m_scale, v_scale;  // block8: a scale per block
+    TensorShape shape{};
     std::size_t n = 0;
     std::uint16_t* grad = nullptr;   // into flat_grad_
     std::uint16_t* model = nullptr;  // into flat_model_

@@ -107,8 +107,6 @@ class CudaEngine final : public Engine {
   CudaEngine(const Dims& dims, const Dataset& data, const std::vector<std::vector<float>>& masters,
              std::int64_t steps, const halfstep::StepConfig& config)
       : dims_(dims) {
-    const std::size_t m_bytes = slot_bytes(config, halfstep::Slot::exp_avg);
-    const std::size_t v_bytes = slot_bytes(config, halfstep::Slot::exp_avg_sq);
     TRAIN_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     TRAIN_CHECK(cublasCreate(&blas_));
     TRAIN_CHECK(cublasSetStream(blas_, stream_));
@@ -126,10 +124,21 @@ class CudaEngine final : public Engine {
       p.n = n;
       p.group = shapes[t].group;
       p.master = device_alloc<float>(n);
-      p.m = device_alloc<unsigned char>(n * m_bytes);  // the moments in their format, zero in every one
+      // The moments in their format, zero in every one (block8: scales of 0 decode every code to 0).
+      const std::size_t m_bytes = slot_bytes(config, halfstep::Slot::exp_avg, shapes[t]);
+      const std::size_t v_bytes = slot_bytes(config, halfstep::Slot::exp_avg_sq, shapes[t]);
+      p.m = device_alloc<unsigned char>(n * m_bytes);
       p.v = device_alloc<unsigned char>(n * v_bytes);
       TRAIN_CHECK(cudaMemset(p.m, 0, n * m_bytes));
       TRAIN_CHECK(cudaMemset(p.v, 0, n * v_bytes));
+      p.row = shapes[t].row;
+      p.scales = scale_count(config, shapes[t]);
+      if (p.scales > 0) {
+        p.m_scale = device_alloc<float>(p.scales);
+        p.v_scale = device_alloc<float>(p.scales);
+        TRAIN_CHECK(cudaMemset(p.m_scale, 0, p.scales * sizeof(float)));
+        TRAIN_CHECK(cudaMemset(p.v_scale, 0, p.scales * sizeof(float)));
+      }
       p.grad = flat_grad_ + at;
       p.model = flat_model_ + at;
       at += n;
@@ -158,6 +167,8 @@ class CudaEngine final : public Engine {
       cudaFree(p.master);
       cudaFree(p.m);
       cudaFree(p.v);
+      cudaFree(p.m_scale);
+      cudaFree(p.v_scale);
     }
     cudaFree(flat_grad_);
     cudaFree(flat_model_);
@@ -185,6 +196,9 @@ class CudaEngine final : public Engine {
     std::vector<halfstep::ParamTensor> out;
     for (Param& p : params_) {
       out.push_back({p.master, p.grad, p.m, p.v, p.model, static_cast<std::int64_t>(p.n), p.group});
+      out.back().row = p.row;
+      out.back().exp_avg_scale = p.m_scale;
+      out.back().exp_avg_sq_scale = p.v_scale;
     }
     return out;
   }
@@ -279,6 +293,9 @@ class CudaEngine final : public Engine {
     std::int32_t group = 0;
     float* master = nullptr;
     unsigned char *m = nullptr, *v = nullptr;  // the moments in their format
+    float *m_scale = nullptr, *v_scale = nullptr;  // block8: a scale per block
+    std::size_t scales = 0;
+    std::int64_t row = 0;
     __half *grad = nullptr, *model = nullptr;
   };
   Dims dims_;

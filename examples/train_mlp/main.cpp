@@ -240,12 +240,15 @@ Options parse(int argc, char** argv) {
                  "CPU, N ranks simulated in this process. --trace writes one file per rank")
       ->transform(decimal_in(1, train::kFlatSlack));
   app.add_option("--moments", o.moments,
-                 "the Adam moments' format: f32 (default) or bf16 (decoded and encoded inside the\n"
-                 "fused step, 2 B each instead of 4). The masters stay fp32: this program computes in\n"
-                 "fp16, and remainders rebuild masters from a bf16 model copy only")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+                 "the Adam moments' format: f32 (default), bf16 (decoded and encoded inside the\n"
+                 "fused step, 2 B each instead of 4) or block8 (8-bit codes with an fp32 scale per\n"
+                 "block of 256 elements of a row, 1 B each; tensors under 4096 elements stay fp32;\n"
+                 "not with --ranks yet). The masters stay fp32: this program computes in fp16, and\n"
+                 "remainders rebuild masters from a bf16 model copy only")
+      ->check(CLI::IsMember({"f32", "bf16", "block8"}));
   app.add_option("--rounding", o.rounding,
-                 "how bf16 moments are stored: stochastic (default; its bits keyed by --seed, the step,\n"
+                 "how bf16 moments (block8: sqrt(exp_avg_sq)) are stored: stochastic (default; its bits\n"
+                 "keyed by --seed, the step,\n"
                  "the tensor and the element) or nearest")
       ->check(CLI::IsMember({"stochastic", "nearest"}));
   app.add_flag("--replicate-batch", o.replicate_batch,
@@ -264,6 +267,10 @@ Options parse(int argc, char** argv) {
   }
   o.growth_interval_given = growth->count() > 0;
   if (o.replicate_batch && o.ranks == 0) usage_error("--replicate-batch needs --ranks");
+  if (o.moments == "block8" && o.ranks > 0) usage_error("--moments block8 does not run with --ranks yet (shard() does not cut block8 moments)");
+  if (o.moments == "block8" && (!o.checkpoint.empty() || !o.resume.empty())) {
+    usage_error("--moments block8 does not run with --checkpoint or --resume yet (checkpoints do not hold block8 moments)");
+  }
   if (!o.checkpoint.empty()) check_checkpoint_path(o.checkpoint);
   // A trace, or its description, on the file another option reads or writes would corrupt that
   // checkpoint, or be replaced by it at the end.
@@ -319,6 +326,7 @@ Scenario make_scenario(const Options& o, std::int64_t steps) {
   c.scaler.growth_interval = o.growth_interval;
   c.scaler.headroom_growth = o.headroom_growth;
   if (o.moments == "bf16") c.state.exp_avg = c.state.exp_avg_sq = halfstep::MomentFormat::bf16;
+  if (o.moments == "block8") c.state.exp_avg = c.state.exp_avg_sq = halfstep::MomentFormat::block8;
   c.state.rounding = o.rounding == "nearest" ? halfstep::Rounding::nearest : halfstep::Rounding::stochastic;
   c.state.seed = o.seed;
   const float base = o.lr;
@@ -717,8 +725,8 @@ int run(const Options& o) {
     const halfstep::StateFormat& f = scenario.config.state;
     const halfstep::StateBytes b = halfstep::state_bytes(scenario.config);
     std::printf("  optimizer state: fp32 masters, %s moments%s; %zu B a parameter held, %zu B moved a step\n",
-                f.exp_avg == halfstep::MomentFormat::bf16 ? "bf16" : "fp32",
-                f.exp_avg == halfstep::MomentFormat::bf16
+                f.exp_avg == halfstep::MomentFormat::f32 ? "fp32" : halfstep::moment_format_name(f.exp_avg),
+                f.exp_avg != halfstep::MomentFormat::f32
                     ? (std::string(" (") + halfstep::rounding_name(f.rounding) + " rounding)").c_str()
                     : "",
                 b.state + b.gradient + b.model, b.moved);

@@ -15,8 +15,8 @@ std::int64_t Dims::parameters() const {
 std::vector<TensorShape> tensor_shapes(const Dims& dims) {
   std::vector<TensorShape> shapes;
   for (int l = 0; l < dims.layers(); ++l) {
-    shapes.push_back({static_cast<std::int64_t>(dims.fan_out(l)) * dims.fan_in(l), 0});
-    shapes.push_back({dims.fan_out(l), 1});
+    shapes.push_back({static_cast<std::int64_t>(dims.fan_out(l)) * dims.fan_in(l), 0, dims.fan_in(l)});
+    shapes.push_back({dims.fan_out(l), 1, 0});
   }
   return shapes;
 }

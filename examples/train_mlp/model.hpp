@@ -66,6 +66,7 @@ std::vector<float> teacher_forward(const Dims& dims, const std::vector<std::vect
 struct TensorShape {
   std::int64_t numel;
   std::int32_t group;  // 0: weights (weight decay), 1: biases (none)
+  std::int64_t row;    // elements per row: a weight's fan-in (rows are its outputs); 0 for a bias
 };
 std::vector<TensorShape> tensor_shapes(const Dims& dims);
 
@@ -119,6 +120,23 @@ std::unique_ptr<Engine> make_cuda_engine(const Dims& dims, const Dataset& data,
 /// Bytes of one element of `slot` under `config` (the moments' format: halfstep::slot_layouts).
 inline std::size_t slot_bytes(const halfstep::StepConfig& config, halfstep::Slot slot) {
   return halfstep::slot_layouts(config)[static_cast<std::size_t>(slot)].element_bytes;
+}
+
+/// A whole tensor of shape `s`, as the step reads its shape (block8 moments follow its rows).
+inline halfstep::ParamTensor shaped(const TensorShape& s) {
+  halfstep::ParamTensor t;
+  t.numel = s.numel;
+  t.row = s.row;
+  return t;
+}
+/// Bytes per element of a slot of a tensor of shape `s` (block8 moments: 1, or 4 where the tensor
+/// keeps fp32 moments).
+inline std::size_t slot_bytes(const halfstep::StepConfig& config, halfstep::Slot slot, const TensorShape& s) {
+  return halfstep::slot_layouts(config, shaped(s))[static_cast<std::size_t>(slot)].element_bytes;
+}
+/// Scales per moment of a tensor of shape `s` (block8 moments; 0 otherwise).
+inline std::size_t scale_count(const halfstep::StepConfig& config, const TensorShape& s) {
+  return static_cast<std::size_t>(halfstep::moment_blocks(config, shaped(s)).blocks);
 }
 
 /// True when a CUDA device is present.
