@@ -218,8 +218,7 @@ __device__ inline unsigned apply_chunk(const TensorDesc& tensor, const ChunkDesc
 // Pass 2 over one chunk of a tensor with block8 moments: a warp per block, the blocks that start
 // in the chunk (the last may run past its end: pieces hold whole blocks), lane l holding elements
 // 8l .. 8l + 7 of its block (kernels/block8.hpp, warp_update_block8). Blocks are numbered in the
-// whole tensor, rows of `row` elements each holding blocks_per_row blocks of 256, the last one the
-// rest of the row. A held block keeps all it held; returns the elements held (counted on lane 0).
+// whole tensor (block8_geometry.hpp). A held block keeps all it held; returns the elements held (counted on lane 0).
 template <DType kGrad, class Master, bool kDraw>
 __device__ inline unsigned apply_chunk8(const TensorDesc& tensor, const ChunkDesc& chunk, const Decision& d,
                                         const GroupConsts& k, const Codec8* codecs) {
@@ -227,11 +226,8 @@ __device__ inline unsigned apply_chunk8(const TensorDesc& tensor, const ChunkDes
   constexpr int kWarps = kPassThreads / 32;
   const int lane = static_cast<int>(threadIdx.x % 32u);
   const int first = lane * kBlock8PerLane;
-  // The first block that starts at or after element `index` of the whole tensor.
-  auto first_from = [&tensor](std::int64_t index) {
-    return index / tensor.row * tensor.blocks_per_row + (index % tensor.row + kBlock8 - 1) / kBlock8;
-  };
-  const std::int64_t b_end = first_from(tensor.key_offset + chunk.begin + chunk.len);
+  const Block8Geometry& geo = tensor.blocks;
+  const std::int64_t b_end = geo.first_block_from(tensor.key_offset + chunk.begin + chunk.len);
   auto* master = static_cast<PS*>(tensor.master);
   auto* model = static_cast<std::uint16_t*>(tensor.model);
   auto* m_codes = static_cast<std::uint8_t*>(tensor.exp_avg);
@@ -239,11 +235,10 @@ __device__ inline unsigned apply_chunk8(const TensorDesc& tensor, const ChunkDes
   const bool with_model = model != nullptr;
   const std::uint64_t key = kDraw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
   unsigned held = 0;
-  for (std::int64_t b = first_from(tensor.key_offset + chunk.begin) + static_cast<int>(threadIdx.x / 32u); b < b_end;
-       b += kWarps) {  // warp-uniform
-    const std::int64_t in_row = b % tensor.blocks_per_row;
-    const std::int64_t start = b / tensor.blocks_per_row * tensor.row + in_row * kBlock8;  // in the whole tensor
-    const int n = static_cast<int>(in_row + 1 < tensor.blocks_per_row ? kBlock8 : tensor.row - in_row * kBlock8);
+  for (std::int64_t b = geo.first_block_from(tensor.key_offset + chunk.begin) + static_cast<int>(threadIdx.x / 32u);
+       b < b_end; b += kWarps) {  // warp-uniform
+    const std::int64_t start = geo.block_start(b);  // in the whole tensor
+    const int n = static_cast<int>(geo.block_size(b));
     const std::int64_t at = start - tensor.key_offset + first;  // this lane's first element in the piece
     PS ps[kBlock8PerLane];
     std::uint16_t out[kBlock8PerLane];

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "block8_geometry.hpp"
 #include "exact_sum.hpp"
 #include "halfstep/distributed.hpp"
 #include "halfstep/scaler.hpp"
@@ -41,13 +42,11 @@ struct TensorDesc {
   std::uint8_t in_norm;    // counted in Σg² and the subnormal/zero counts (no ParamTensor::duplicate)
   std::uint8_t quantized;  // block8 moments as codes and scales (moment_blocks); else fp32 moments
   std::uint8_t pad_[4];
-  // A quantized tensor's blocks: scales per block of this piece, from block first_block of the
-  // whole tensor, whose rows hold `row` elements (blocks_per_row blocks) and `whole` elements.
+  // A quantized tensor's blocks: a scale per block of this piece, from block first_block of the
+  // whole tensor, whose blocks lie as `blocks` says.
   float* exp_avg_scale;
   float* exp_avg_sq_scale;
-  std::int64_t whole;
-  std::int64_t row;
-  std::int64_t blocks_per_row;
+  Block8Geometry blocks;
   std::int64_t first_block;
 };
 

@@ -1,7 +1,7 @@
 // The state formats and the slots of a tensor: the one description of what each buffer holds.
 #include "halfstep/state.hpp"
 
-#include "block8.hpp"
+#include "block8_geometry.hpp"
 #include "check.hpp"
 #include "halfstep/step.hpp"
 

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "block8.hpp"
+#include "block8_geometry.hpp"
 #include "check.hpp"
 #include "fused_impl.hpp"
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "block8.hpp"
+#include "block8_geometry.hpp"
 #include "check.hpp"
 #include "exact_sum.hpp"
 #include "halfstep/distributed.hpp"
@@ -60,13 +60,10 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors, const St
     d.all_vec = all_aligned(p) ? 1 : 0;
     const MomentBlocks blocks = moment_blocks(config, p);
     if (blocks.quantized) {
-      const Block8Geometry g = block8_geometry(p.whole_numel != 0 ? p.whole_numel : p.numel, p.row);
       d.quantized = 1;
       d.exp_avg_scale = p.exp_avg_scale;
       d.exp_avg_sq_scale = p.exp_avg_sq_scale;
-      d.whole = g.numel;
-      d.row = g.row;
-      d.blocks_per_row = g.blocks_per_row;
+      d.blocks = block8_geometry(p.whole_numel != 0 ? p.whole_numel : p.numel, p.row);
       d.first_block = blocks.first;
     }
     table.tensors.push_back(d);
