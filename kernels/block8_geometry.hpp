@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "halfstep/config.hpp"
+#include "halfstep/step.hpp"
 
 namespace halfstep::detail {
 
@@ -66,5 +67,12 @@ HALFSTEP_HD inline Block8Geometry block8_geometry(std::int64_t numel, std::int64
   }
   return g;
 }
+
+/// The elements of the whole tensor `t` is (a piece of): ParamTensor::whole_numel, or its own
+/// numel where that is 0.
+inline std::int64_t whole_numel_of(const ParamTensor& t) { return t.whole_numel != 0 ? t.whole_numel : t.numel; }
+
+/// The geometry of the whole tensor `t` is (a piece of).
+inline Block8Geometry block8_geometry_of(const ParamTensor& t) { return block8_geometry(whole_numel_of(t), t.row); }
 
 }  // namespace halfstep::detail

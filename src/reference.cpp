@@ -277,8 +277,7 @@ std::int64_t apply_elements(const TensorStep& s, MomentFormat exp_avg, MomentFor
 // new values would not be finite keeps everything it held; returns the elements held.
 std::int64_t apply_blocks(const TensorStep& s, const MomentBlocks& b) {
   const ParamTensor& p = s.p;
-  const std::int64_t whole = p.whole_numel != 0 ? p.whole_numel : p.numel;
-  const detail::Block8Geometry g = detail::block8_geometry(whole, p.row);
+  const detail::Block8Geometry g = detail::block8_geometry_of(p);
   const bool stochastic = s.config.state.rounding == Rounding::stochastic;
   auto* m_codes = static_cast<std::uint8_t*>(p.exp_avg);
   auto* v_codes = static_cast<std::uint8_t*>(p.exp_avg_sq);

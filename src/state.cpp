@@ -91,8 +91,8 @@ std::array<SlotLayout, kSlotCount> slot_layouts(const StepConfig& c, const Param
 MomentBlocks moment_blocks(const StepConfig& c, const ParamTensor& t) {
   MomentBlocks b;
   if (c.state.exp_avg != MomentFormat::block8) return b;
-  const std::int64_t whole = t.whole_numel != 0 ? t.whole_numel : t.numel;
-  const detail::Block8Geometry g = detail::block8_geometry(whole, t.row);
+  const std::int64_t whole = detail::whole_numel_of(t);
+  const detail::Block8Geometry g = detail::block8_geometry_of(t);
   if (!g.quantized) return b;
   b.quantized = true;
   if (t.offset < 0 || t.numel < 0 || t.offset > whole - t.numel) return b;  // validate names the rule

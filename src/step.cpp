@@ -118,6 +118,12 @@ void check_buffer(std::vector<Span>& spans, std::size_t t, const char* field, co
   spans.push_back({begin, begin + bytes, t, field});
 }
 
+// The spans of a quantized tensor's two scale buffers, checked as every buffer is.
+void check_scales(std::vector<Span>& spans, std::size_t t, const ParamTensor& p, const MomentBlocks& b) {
+  check_buffer(spans, t, "exp_avg_scale", p.exp_avg_scale, b.blocks, sizeof(float), false);
+  check_buffer(spans, t, "exp_avg_sq_scale", p.exp_avg_sq_scale, b.blocks, sizeof(float), false);
+}
+
 // The whole tensor's shape and the block scales of tensor t under MomentFormat::block8 (its
 // scale pointers must be null under every other format, and for tensors that keep wide moments).
 void check_blocks(std::vector<Span>& spans, std::size_t t, const ParamTensor& p, const StepConfig& config) {
@@ -128,7 +134,7 @@ void check_blocks(std::vector<Span>& spans, std::size_t t, const ParamTensor& p,
   if (block8) {
     require(p.offset == 0 || p.whole_numel != 0, "tensors[", t, "].whole_numel must be set for a piece of a tensor ",
             "(offset ", p.offset, " > 0) under block8 moments: the blocks follow the whole tensor's shape");
-    const std::int64_t whole = p.whole_numel != 0 ? p.whole_numel : p.numel;
+    const std::int64_t whole = detail::whole_numel_of(p);
     require(p.offset <= whole - p.numel, "tensors[", t, "]: offset + numel = ", p.offset, " + ", p.numel,
             " must be <= whole_numel = ", whole);
     require(p.row == 0 || (whole % p.row == 0), "tensors[", t, "].row = ", p.row,
@@ -143,15 +149,13 @@ void check_blocks(std::vector<Span>& spans, std::size_t t, const ParamTensor& p,
     }
     return;
   }
-  const std::int64_t whole = p.whole_numel != 0 ? p.whole_numel : p.numel;
-  const detail::Block8Geometry g = detail::block8_geometry(whole, p.row);
+  const detail::Block8Geometry g = detail::block8_geometry_of(p);
   for (const std::int64_t at : {p.offset, p.offset + p.numel}) {
     require(g.starts_block(at), "tensors[", t, "]: a piece of a tensor with block8 moments must start and end where ",
             "blocks do (256 elements of a row of ", g.row, ", a row's last block holding the rest), but element ", at,
             " of the whole tensor is inside block ", g.block_of(at));
   }
-  check_buffer(spans, t, "exp_avg_scale", p.exp_avg_scale, b.blocks, sizeof(float), false);
-  check_buffer(spans, t, "exp_avg_sq_scale", p.exp_avg_sq_scale, b.blocks, sizeof(float), false);
+  check_scales(spans, t, p, b);
 }
 
 }  // namespace
@@ -200,10 +204,7 @@ WrittenSpans written_spans(const std::vector<ParamTensor>& tensors, const StepCo
       if (s.written) check_buffer(spans, t, s.name, slot_pointer(p, s.slot), p.numel, s.element_bytes, s.nullable);
     }
     const MomentBlocks b = moment_blocks(config, p);
-    if (b.quantized) {
-      check_buffer(spans, t, "exp_avg_scale", p.exp_avg_scale, b.blocks, sizeof(float), false);
-      check_buffer(spans, t, "exp_avg_sq_scale", p.exp_avg_sq_scale, b.blocks, sizeof(float), false);
-    }
+    if (b.quantized) check_scales(spans, t, p, b);
   }
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
   WrittenSpans w;

@@ -63,7 +63,7 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors, const St
       d.quantized = 1;
       d.exp_avg_scale = p.exp_avg_scale;
       d.exp_avg_sq_scale = p.exp_avg_sq_scale;
-      d.blocks = block8_geometry(p.whole_numel != 0 ? p.whole_numel : p.numel, p.row);
+      d.blocks = block8_geometry_of(p);
       d.first_block = blocks.first;
     }
     table.tensors.push_back(d);
