@@ -21,7 +21,8 @@ namespace {
 const char* kDescription = R"(halfstep-plan: prints the device memory of halfstep's per-parameter buffers — the master
 weights (fp32, 4 B; or with a bf16 model copy an int16 remainder, 2 B: --master bf16_remainder;
 or none, the bf16 model copy rounded stochastically is the weight: --master none),
-the Adam moments (fp32, 8 B; bf16, 4 B: --moments bf16), the gradients (2 B for f16 and bf16, 4 B
+the Adam moments (fp32, 8 B; bf16, 4 B: --moments bf16; block-wise 8-bit codes, 2 B and an fp32
+scale per block of 256 elements of a row: --moments block8), the gradients (2 B for f16 and bf16, 4 B
 for f32), the 16-bit model copy (2 B, or none; with f32 gradients the parameters are fp32, the
 masters themselves, so by default there is none) — and the step's workspace, then how many
 parameters fit in --memory, and the bytes one step moves. With --ranks N (ZeRO-1 data
@@ -36,7 +37,9 @@ model is sharded across ranks (ZeRO, --ranks), each holding its own shard. With 
 ceil(params / N) parameters' masters and moments (the last ranks fewer) and the gradient and
 model-copy buffers padded to N times that, what the collectives move; the slices its step reads
 and writes are views into them (in-place reduce-scatter and all-gather). ZeRO-2 and ZeRO-3, which
-shard the gradients and the model as well, hold less.
+shard the gradients and the model as well, hold less. With --moments block8 the tensors' moments
+are counted by the library's rule (halfstep::moment_blocks): tensors of --tensors' average size with
+rows of --row elements; a tensor under 4096 elements, or with rows under 32, keeps fp32 moments.
 )";
 using Units = std::vector<std::pair<std::string, double>>;
 
@@ -143,6 +146,13 @@ double most_that_fit(double memory, double per_tensor, double groups, double ran
   return lo;
 }
 
+// What one parameter costs under a state format, in bytes (fractional with block8's scales).
+struct Accounting {
+  double gradient = 0, model = 0, master = 0, moments = 0, moved = 0;
+  bool wide = false;  // block8 asked for, but tensors of this shape keep fp32 moments
+  double state() const { return master + moments; }
+};
+
 halfstep::DType dtype_of(const std::string& name) {
   return name == "f32" ? halfstep::DType::f32 : name == "bf16" ? halfstep::DType::bf16 : halfstep::DType::f16;
 }
@@ -156,8 +166,47 @@ halfstep::StepConfig config_of(const std::string& grad, const std::string& model
   c.state.master = master == "bf16_remainder" ? halfstep::MasterFormat::bf16_remainder
                    : master == "none"         ? halfstep::MasterFormat::none
                                               : halfstep::MasterFormat::f32;
-  c.state.exp_avg = c.state.exp_avg_sq = moments == "bf16" ? halfstep::MomentFormat::bf16 : halfstep::MomentFormat::f32;
+  c.state.exp_avg = c.state.exp_avg_sq = moments == "bf16"     ? halfstep::MomentFormat::bf16
+                                         : moments == "block8" ? halfstep::MomentFormat::block8
+                                                               : halfstep::MomentFormat::f32;
   return c;
+}
+
+// The library's accounting (halfstep::state_bytes) of these formats, with block8's moments as
+// halfstep::moment_blocks holds them in a tensor of `per_tensor` elements (rounded down to whole
+// rows) with rows of `row` elements (0: one row): the codes, a byte a moment, and the scales.
+Accounting account(const std::string& grad, const std::string& model, const std::string& master,
+                   const std::string& moments, double per_tensor, double row) {
+  const halfstep::StepConfig config = config_of(grad, model, master, moments);
+  const halfstep::StateBytes held = halfstep::state_bytes(config, model != "none");
+  Accounting a;
+  a.gradient = static_cast<double>(held.gradient);
+  a.model = static_cast<double>(held.model);
+  a.master = master == "bf16_remainder" ? 2.0 : master == "none" ? 0.0 : 4.0;
+  a.moments = static_cast<double>(held.state) - a.master;
+  a.moved = static_cast<double>(held.moved);
+  if (moments == "block8") {
+    // One tensor of this shape, as large as an int64 holds (past that its blocks per element no
+    // longer change): what it holds per element.
+    const double most = 4611686018427387904.0;  // 2^62
+    const double r = row == 0 ? std::min(per_tensor, most) : row;
+    halfstep::ParamTensor t;
+    t.numel = static_cast<std::int64_t>(std::max(r, std::floor(std::min(per_tensor, most) / r) * r));
+    t.whole_numel = t.numel;
+    t.row = row == 0 ? 0 : static_cast<std::int64_t>(row);
+    const halfstep::MomentBlocks b = halfstep::moment_blocks(config, t);
+    const double codes = a.moments;  // a byte per moment; the step reads and writes each once
+    if (b.quantized) {
+      const double scales = 2.0 * 4.0 * static_cast<double>(b.blocks) / static_cast<double>(t.numel);
+      a.moments = codes + scales;
+      a.moved += 2.0 * scales;
+    } else {
+      a.wide = true;
+      a.moments = 8.0;
+      a.moved += 2.0 * (8.0 - codes);
+    }
+  }
+  return a;
 }
 
 }  // namespace
@@ -166,7 +215,7 @@ int main(int argc, char** argv) {
   // An H200 has 141 GB (10^9 bytes) of HBM3e on its datasheet; CUDA reports 143156 MiB, 139.8 GiB,
   // as its total memory (totalGlobalMem; nvidia-smi shows 143771 MiB, counting what the driver
   // keeps). The default was 141 GiB, 1.2 GiB more than the device has.
-  double params = 0, memory = 143156.0 * 1024 * 1024, tensors = 0, groups = 2, ranks = 1;
+  double params = 0, memory = 143156.0 * 1024 * 1024, tensors = 0, groups = 2, ranks = 1, row = 0;
   std::string grad = "f16", model, master = "f32", moments = "f32";
   bool formats = false;
   const Units counts = {{"K", 1e3}, {"M", 1e6}, {"B", 1e9}, {"G", 1e9}, {"T", 1e12}};
@@ -191,8 +240,14 @@ int main(int argc, char** argv) {
                  "remainder rebuild the fp32 master exactly), or none (no master: the bf16 model\n"
                  "copy is the weight, updated with stochastic rounding); the last two need --model bf16")
       ->check(CLI::IsMember({"f32", "bf16_remainder", "none"}));
-  app.add_option("--moments", moments, "Adam moments' format: f32 (default) or bf16 (both moments)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--moments", moments,
+                 "Adam moments' format (both moments): f32 (default), bf16, or block8 (8-bit codes and\n"
+                 "an fp32 scale per block of 256 elements of a row)")
+      ->check(CLI::IsMember({"f32", "bf16", "block8"}));
+  app.add_option("--row", row,
+                 "elements per row of the tensors, for block8's blocks (default: each tensor one row;\n"
+                 "a weight's fan-in, e.g. 4096)")
+      ->transform(amount(counts, "N"));
   app.add_flag("--formats", formats, "also print every state format's bytes and the largest model that fits");
   app.add_option("--memory", memory,
                  "device memory: bytes, or with KB MB GB TB (10^3) or KiB MiB GiB TiB (2^10)\n"
@@ -225,18 +280,25 @@ int main(int argc, char** argv) {
     return fail("--ranks must be a whole number up to 2^31 - 1 and no larger than --params");
   }
 
+  if (row != std::floor(row)) return fail("--row must be a whole number of elements");
+  if (row > params / tensors) return fail("--row must be no longer than a tensor (--params / --tensors)");
+  // halfstep::shard cuts the flat parameter space anywhere, and a block8 piece must start and end
+  // where blocks do: ZeRO sharding does not hold block8 moments yet.
+  if (moments == "block8" && ranks > 1) {
+    return fail("--moments block8 with --ranks: halfstep::shard does not cut block8 moments yet");
+  }
+
   if (model.empty()) model = grad == "f32" ? "none" : grad;
   if (master != "f32" && model != "bf16") {
     return fail("--master " + master +
                 (master == "none" ? ": the bf16 model copy is the weight" : ": the master is a bf16 model copy and an int16 remainder") +
                 "; the model copy is " + (model == "none" ? std::string("none") : model) + " (give --model bf16, or --grad bf16)");
   }
-  const halfstep::StepConfig config = config_of(grad, model, master, moments);
-  const halfstep::StateBytes held = halfstep::state_bytes(config, model != "none");
-  const double grad_bytes = static_cast<double>(held.gradient);
-  const double model_bytes = static_cast<double>(held.model);
-  const double state_bytes = static_cast<double>(held.state);
-  const double master_bytes = master == "bf16_remainder" ? 2.0 : master == "none" ? 0.0 : 4.0;
+  const double per_tensor = params / tensors;
+  const Accounting held = account(grad, model, master, moments, per_tensor, row);
+  const double grad_bytes = held.gradient;
+  const double model_bytes = held.model;
+  const double state_bytes = held.state();
   const bool sharded = ranks > 1;
   const RankPlan mine = plan_rank(params, tensors, groups, ranks, grad_bytes, model_bytes, state_bytes);
 
@@ -245,32 +307,35 @@ int main(int argc, char** argv) {
   if (sharded) std::printf(", ZeRO-1 over %.10g ranks", ranks);
   std::printf("\n\n  %-34s %11s  %12s\n", "component", "bytes/param", sharded ? "per rank" : "total");
   // bytes/param: what the rank holds per parameter of the whole model.
-  auto row = [&](const std::string& name, long double bytes) {
+  auto line = [&](const std::string& name, long double bytes) {
     std::printf("  %-34s %11.4Lg  %12s\n", name.c_str(), bytes / params, bytes_text(bytes).c_str());
   };
   const std::string share = sharded ? ", sharded" : "", whole = sharded ? ", on every rank" : "";
   if (master == "bf16_remainder") {
-    row("int16 master remainders" + share, 2.0L * mine.shard);
+    line("int16 master remainders" + share, 2.0L * mine.shard);
   } else if (master == "none") {
-    row("no master (the model copy is it)", 0.0L);
+    line("no master (the model copy is it)", 0.0L);
   } else {
-    row(std::string(grad == "f32" && model == "none" && !sharded ? "fp32 masters (the parameters)" : "fp32 master weights") +
+    line(std::string(grad == "f32" && model == "none" && !sharded ? "fp32 masters (the parameters)" : "fp32 master weights") +
             share,
         4.0L * mine.shard);
   }
-  row(std::string(moments == "f32" ? "fp32" : "bf16") + " Adam moments (m, v)" + share, static_cast<long double>(state_bytes - master_bytes) * mine.shard);
-  row(grad + " gradients" + whole, static_cast<long double>(grad_bytes) * mine.padded);
-  if (model_bytes > 0) row(model + " model copy" + whole, 2.0L * mine.padded);
+  const std::string moment_name = moments == "block8"
+                                      ? (held.wide ? "fp32 moments (small for block8)"
+                                                   : "8-bit Adam moments (m, v) + scales")
+                                      : (moments == "f32" ? "fp32" : "bf16") + std::string(" Adam moments (m, v)");
+  line(moment_name + share, static_cast<long double>(held.moments) * mine.shard);
+  line(grad + " gradients" + whole, static_cast<long double>(grad_bytes) * mine.padded);
+  if (model_bytes > 0) line(model + " model copy" + whole, 2.0L * mine.padded);
   if (mine.workspace >= 0) {
-    row("step workspace", mine.workspace);
+    line("step workspace", mine.workspace);
   } else {
     std::printf("  %-34s %11s  %12s\n", "step workspace", "-", "-");
   }
-  row("total", mine.total);
+  line("total", mine.total);
 
   // The most parameters that fit, by bisection on the same accounting (tensors of the same
   // average size, the same ranks), within what one step can hold on each rank.
-  const double per_tensor = params / tensors;
   const double most_per_step = 2147483647.0 * static_cast<double>(halfstep::chunk_elements());
   const double lo = most_that_fit(memory, per_tensor, groups, ranks, grad_bytes, model_bytes, state_bytes);
   if (mine.workspace < 0) {
@@ -288,7 +353,7 @@ int main(int argc, char** argv) {
                 fits ? "fits" : "does NOT fit", lo);
   }
   std::printf("  (activations, the forward and backward passes' buffers and the framework's own are not counted)\n");
-  std::printf("\n  one applied step moves %zu bytes per parameter (pass 1 reads the gradients; pass 2 reads them,\n"
+  std::printf("\n  one applied step moves %.4g bytes per parameter (pass 1 reads the gradients; pass 2 reads them,\n"
               "  reads and writes the masters and moments, %s the model copy)\n",
               held.moved, master == "f32" ? "writes" : "reads and writes");
   if (formats) {
@@ -297,12 +362,12 @@ int main(int argc, char** argv) {
                 sharded ? "largest model on these GPUs" : "largest model that fits");
     for (const char* m : {"f32", "bf16_remainder", "none"}) {
       if (std::string(m) != "f32" && model != "bf16") continue;
-      for (const char* v : {"f32", "bf16"}) {
-        const halfstep::StateBytes b = halfstep::state_bytes(config_of(grad, model, m, v), model != "none");
-        const double most = most_that_fit(memory, per_tensor, groups, ranks, static_cast<double>(b.gradient),
-                                          static_cast<double>(b.model), static_cast<double>(b.state));
-        std::printf("  %-34s %9.4g %9zu  %.4g parameters%s\n", (std::string(m) + ", " + v).c_str(),
-                    static_cast<double>(b.state) / ranks + static_cast<double>(b.gradient + b.model), b.moved, most,
+      for (const char* v : {"f32", "bf16", "block8"}) {
+        if (std::string(v) == "block8" && sharded) continue;  // not with ZeRO yet (above)
+        const Accounting b = account(grad, model, m, v, per_tensor, row);
+        const double most = most_that_fit(memory, per_tensor, groups, ranks, b.gradient, b.model, b.state());
+        std::printf("  %-34s %9.4g %9.4g  %.4g parameters%s\n", (std::string(m) + ", " + v).c_str(),
+                    b.state() / ranks + b.gradient + b.model, b.moved, most,
                     std::string(m) == master && std::string(v) == moments ? "  (this plan)" : "");
       }
     }
