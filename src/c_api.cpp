@@ -108,8 +108,9 @@ halfstep::StepConfig step_config(const halfstep_group* groups, int32_t n_groups,
           "halfstep_config.master_format must be HALFSTEP_MASTER_F32, HALFSTEP_MASTER_BF16_REMAINDER or "
           "HALFSTEP_MASTER_NONE");
   for (const int32_t f : {c.exp_avg_format, c.exp_avg_sq_format}) {
-    require(f == HALFSTEP_MOMENT_F32 || f == HALFSTEP_MOMENT_BF16,
-            "halfstep_config.exp_avg_format and exp_avg_sq_format must be HALFSTEP_MOMENT_F32 or HALFSTEP_MOMENT_BF16");
+    require(f == HALFSTEP_MOMENT_F32 || f == HALFSTEP_MOMENT_BF16 || f == HALFSTEP_MOMENT_BLOCK8,
+            "halfstep_config.exp_avg_format and exp_avg_sq_format must be HALFSTEP_MOMENT_F32, HALFSTEP_MOMENT_BF16 "
+            "or HALFSTEP_MOMENT_BLOCK8");
   }
   require(c.rounding == HALFSTEP_ROUND_NEAREST || c.rounding == HALFSTEP_ROUND_STOCHASTIC,
           "halfstep_config.rounding must be HALFSTEP_ROUND_NEAREST or HALFSTEP_ROUND_STOCHASTIC");
@@ -154,6 +155,13 @@ void halfstep_config_init(halfstep_config* c) {
   c->seed = s.state.seed;
 }
 
+void halfstep_tensor_init(halfstep_tensor* t) {
+  if (t == nullptr) return;
+  const halfstep::ParamTensor p;
+  *t = halfstep_tensor{p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, p.duplicate ? 1 : 0,
+                       p.tensor_id, 0, p.offset, p.whole_numel, p.row, p.exp_avg_scale, p.exp_avg_sq_scale};
+}
+
 void halfstep_group_init(halfstep_group* g) {
   if (g == nullptr) return;
   const halfstep::AdamWConfig h;
@@ -165,6 +173,40 @@ void halfstep_group_init(halfstep_group* g) {
   g->decoupled_weight_decay = h.decoupled_weight_decay ? 1 : 0;
   g->bias_correction = h.bias_correction ? 1 : 0;
   g->step_offset = h.step_offset;
+}
+
+namespace {
+
+halfstep::ParamTensor param_tensor(const halfstep_tensor& c) {
+  halfstep::ParamTensor t;
+  t.master = c.master;
+  t.grad = c.grad;
+  t.exp_avg = c.exp_avg;
+  t.exp_avg_sq = c.exp_avg_sq;
+  t.model = c.model;
+  t.numel = c.numel;
+  t.group = c.group;
+  t.duplicate = c.duplicate != 0;
+  t.tensor_id = c.tensor_id;
+  t.offset = c.offset;
+  t.whole_numel = c.whole_numel;
+  t.row = c.row;
+  t.exp_avg_scale = c.exp_avg_scale;
+  t.exp_avg_sq_scale = c.exp_avg_sq_scale;
+  return t;
+}
+
+}  // namespace
+
+halfstep_status halfstep_moment_blocks_of(const halfstep_config* config, const halfstep_tensor* tensor,
+                                          halfstep_moment_blocks* out) {
+  return guarded([&] {
+    require(config != nullptr && tensor != nullptr && out != nullptr, "config, tensor and out must not be NULL");
+    halfstep_group group;
+    halfstep_group_init(&group);
+    const halfstep::MomentBlocks b = halfstep::moment_blocks(step_config(&group, 1, *config), param_tensor(*tensor));
+    *out = halfstep_moment_blocks{b.quantized ? 1 : 0, 0, b.blocks, b.first};
+  });
 }
 
 halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
@@ -187,9 +229,7 @@ halfstep_status halfstep_create_distributed(const halfstep_tensor* tensors, int6
             "halfstep_config.backend must be HALFSTEP_BACKEND_CUDA or HALFSTEP_BACKEND_REFERENCE");
     std::vector<halfstep::ParamTensor> list(static_cast<std::size_t>(n_tensors));
     for (int64_t t = 0; t < n_tensors; ++t) {
-      const halfstep_tensor& c = tensors[t];
-      list[static_cast<std::size_t>(t)] = {c.master, c.grad, c.exp_avg, c.exp_avg_sq, c.model, c.numel, c.group,
-                                           c.duplicate != 0, c.tensor_id, c.offset};
+      list[static_cast<std::size_t>(t)] = param_tensor(tensors[t]);
     }
     require(n_comms >= 0 && n_comms <= 64, "n_comms must be in [0, 64]");
     require(n_comms == 0 || comms != nullptr, "comms must not be NULL when n_comms > 0");

@@ -59,10 +59,11 @@ enum {
 /** Master formats (halfstep::MasterFormat), moment formats (halfstep::MomentFormat) and roundings
  *  (halfstep::Rounding). */
 enum { HALFSTEP_MASTER_F32 = 0, HALFSTEP_MASTER_BF16_REMAINDER = 1, HALFSTEP_MASTER_NONE = 2 };
-enum { HALFSTEP_MOMENT_F32 = 0, HALFSTEP_MOMENT_BF16 = 1 };
+enum { HALFSTEP_MOMENT_F32 = 0, HALFSTEP_MOMENT_BF16 = 1, HALFSTEP_MOMENT_BLOCK8 = 2 };
 enum { HALFSTEP_ROUND_NEAREST = 0, HALFSTEP_ROUND_STOCHASTIC = 1 };
 
-/** One parameter tensor (halfstep::ParamTensor): each buffer in its format under the config. */
+/** One parameter tensor (halfstep::ParamTensor): each buffer in its format under the config; fill
+ *  with halfstep_tensor_init. */
 typedef struct halfstep_tensor {
   void* master;      /**< fp32 masters, int16 remainders (HALFSTEP_MASTER_BF16_REMAINDER), or NULL
                          (HALFSTEP_MASTER_NONE: the bf16 model copy is the weight) */
@@ -81,6 +82,15 @@ typedef struct halfstep_tensor {
   int32_t pad_;
   /** The index in the whole tensor of this buffer's first element (a shard's start). */
   int64_t offset;
+  /** Elements of the whole tensor this buffer is a piece of; 0: numel (required with offset > 0
+   *  under HALFSTEP_MOMENT_BLOCK8) (halfstep::ParamTensor::whole_numel). */
+  int64_t whole_numel;
+  /** Elements per row of the whole tensor; 0: one row (halfstep::ParamTensor::row). */
+  int64_t row;
+  /** HALFSTEP_MOMENT_BLOCK8, a quantized tensor (halfstep_moment_blocks_of): the fp32 scale of each
+   *  block of exp_avg and of exp_avg_sq the piece holds; NULL otherwise. */
+  float* exp_avg_scale;
+  float* exp_avg_sq_scale;
 } halfstep_tensor;
 
 /** One parameter group (halfstep::AdamWConfig); booleans are 0 or 1. */
@@ -114,6 +124,14 @@ typedef struct halfstep_config {
 typedef struct halfstep_state_bytes {
   uint64_t state, gradient, model, moved;
 } halfstep_state_bytes;
+
+/** How one tensor holds its moments under HALFSTEP_MOMENT_BLOCK8 (halfstep::MomentBlocks). */
+typedef struct halfstep_moment_blocks {
+  int32_t quantized; /**< 1: 8-bit codes and scales; 0: fp32 moments */
+  int32_t pad_;
+  int64_t blocks;    /**< scales per moment the piece holds */
+  int64_t first;     /**< the index of the piece's first block in the whole tensor */
+} halfstep_moment_blocks;
 
 /** A step's report (halfstep::StepReport). */
 typedef struct halfstep_report {
@@ -168,6 +186,9 @@ HALFSTEP_C_API halfstep_status halfstep_workspace_bytes(const int64_t* numels, i
 HALFSTEP_C_API void halfstep_config_init(halfstep_config* config);
 /** Fills `group` with AdamW's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, no decay). */
 HALFSTEP_C_API void halfstep_group_init(halfstep_group* group);
+/** Fills `tensor` with halfstep::ParamTensor's defaults: every buffer NULL, every count, index and
+ *  flag 0. Start from it, so that fields a later version adds keep their defaults. */
+HALFSTEP_C_API void halfstep_tensor_init(halfstep_tensor* tensor);
 
 /** Validates everything and builds the step; *out receives the optimizer. */
 HALFSTEP_C_API halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
@@ -233,6 +254,11 @@ HALFSTEP_C_API halfstep_status halfstep_state_bytes_of(const halfstep_config* co
                                                        halfstep_state_bytes* out);
 /** A group's hyperparameters as the next step uses them (its learning rate as the step reads it,
  *  its step_offset): what set_group, set_lr, device_lr and load_state left; waits. */
+/** How `tensor` (its numel, offset, whole_numel and row) holds its moments under `config`
+ *  (halfstep::moment_blocks): under HALFSTEP_MOMENT_BLOCK8, whether it is quantized and how many
+ *  scales each moment's buffer holds. The buffers' pointers are not read. */
+HALFSTEP_C_API halfstep_status halfstep_moment_blocks_of(const halfstep_config* config, const halfstep_tensor* tensor,
+                                                         halfstep_moment_blocks* out);
 HALFSTEP_C_API halfstep_status halfstep_get_group(halfstep_optimizer* opt, int32_t group, halfstep_group* out);
 /** Each group's learning rate as the next step reads it into out[0 .. n_groups); waits. */
 HALFSTEP_C_API halfstep_status halfstep_learning_rates(halfstep_optimizer* opt, float* out, int32_t n_groups);

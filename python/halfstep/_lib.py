@@ -16,7 +16,7 @@ F16, BF16, F32 = 0, 1, 2
 BACKEND_CUDA, BACKEND_REFERENCE = 0, 1
 APPLIED, SKIPPED_OVERFLOW, SKIPPED_SPIKE, SKIPPED_NONFINITE_UPDATE, SKIPPED_INCONSISTENT = 0, 1, 2, 3, 4
 MASTER_F32, MASTER_BF16_REMAINDER, MASTER_NONE = 0, 1, 2
-MOMENT_F32, MOMENT_BF16 = 0, 1
+MOMENT_F32, MOMENT_BF16, MOMENT_BLOCK8 = 0, 1, 2
 ROUND_NEAREST, ROUND_STOCHASTIC = 0, 1
 
 
@@ -45,7 +45,12 @@ class Tensor(C.Structure):
     _fields_ = [("master", C.c_void_p), ("grad", C.c_void_p), ("exp_avg", C.c_void_p),
                 ("exp_avg_sq", C.c_void_p), ("model", C.c_void_p), ("numel", C.c_int64),
                 ("group", C.c_int32), ("duplicate", C.c_int32), ("tensor_id", C.c_uint32), ("pad_", C.c_int32),
-                ("offset", C.c_int64)]
+                ("offset", C.c_int64), ("whole_numel", C.c_int64), ("row", C.c_int64),
+                ("exp_avg_scale", C.c_void_p), ("exp_avg_sq_scale", C.c_void_p)]
+
+
+class MomentBlocks(C.Structure):
+    _fields_ = [("quantized", C.c_int32), ("pad_", C.c_int32), ("blocks", C.c_int64), ("first", C.c_int64)]
 
 
 class Group(C.Structure):
@@ -138,6 +143,8 @@ def _load(path):
         "halfstep_set_loss_scale": (C.c_int, [P, C.c_float, P]),
         "halfstep_device_lr": (C.POINTER(C.c_float), [P, C.c_int32]),
         "halfstep_state_bytes_of": (C.c_int, [C.POINTER(Config), C.c_int32, C.POINTER(StateBytes)]),
+        "halfstep_tensor_init": (None, [C.POINTER(Tensor)]),
+        "halfstep_moment_blocks_of": (C.c_int, [C.POINTER(Config), C.POINTER(Tensor), C.POINTER(MomentBlocks)]),
         "halfstep_learning_rates": (C.c_int, [P, C.POINTER(C.c_float), C.c_int32]),
         "halfstep_loss_scale": (C.c_int, [P, C.POINTER(C.c_float)]),
         "halfstep_device_loss_scale": (C.POINTER(C.c_float), [P]),

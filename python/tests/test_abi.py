@@ -19,7 +19,8 @@ HEADER = ROOT / "include/halfstep/halfstep.h"
 
 # The ctypes struct that mirrors each struct of the header.
 MIRRORS = {"halfstep_tensor": _lib.Tensor, "halfstep_group": _lib.Group, "halfstep_config": _lib.Config,
-           "halfstep_report": _lib.Report, "halfstep_state": _lib.State, "halfstep_state_bytes": _lib.StateBytes}
+           "halfstep_report": _lib.Report, "halfstep_state": _lib.State, "halfstep_state_bytes": _lib.StateBytes,
+           "halfstep_moment_blocks": _lib.MomentBlocks}
 SCALARS = {"float": C.c_float, "double": C.c_double, "int32_t": C.c_int32, "int64_t": C.c_int64,
            "uint32_t": C.c_uint32, "uint64_t": C.c_uint64}
 

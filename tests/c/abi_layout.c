@@ -31,6 +31,17 @@ int main(void) {
   FIELD(halfstep_tensor, tensor_id);
   FIELD(halfstep_tensor, pad_);
   FIELD(halfstep_tensor, offset);
+  FIELD(halfstep_tensor, whole_numel);
+  FIELD(halfstep_tensor, row);
+  FIELD(halfstep_tensor, exp_avg_scale);
+  FIELD(halfstep_tensor, exp_avg_sq_scale);
+  END();
+
+  BEGIN(halfstep_moment_blocks);
+  FIELD(halfstep_moment_blocks, quantized);
+  FIELD(halfstep_moment_blocks, pad_);
+  FIELD(halfstep_moment_blocks, blocks);
+  FIELD(halfstep_moment_blocks, first);
   END();
 
   BEGIN(halfstep_group);

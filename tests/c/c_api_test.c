@@ -72,6 +72,30 @@ int halfstep_c_api_exercise(const char* dir) {
     CHECK(103, halfstep_state_bytes_of(&lean, 0, &b) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
                    strstr(halfstep_last_error(), "none") != NULL);
   }
+  {
+    /* block8 moments: a code a moment (the scales are apart), and the blocks of a tensor's piece. */
+    halfstep_config q;
+    halfstep_state_bytes b;
+    halfstep_tensor t;
+    halfstep_moment_blocks mb;
+    halfstep_config_init(&q);
+    q.exp_avg_format = q.exp_avg_sq_format = HALFSTEP_MOMENT_BLOCK8;
+    CHECK(104, halfstep_state_bytes_of(&q, 1, &b) == HALFSTEP_OK && b.state == 6 && b.moved == 18);
+    halfstep_tensor_init(&t);
+    CHECK(110, t.master == NULL && t.exp_avg_scale == NULL && t.numel == 0 && t.whole_numel == 0 && t.row == 0);
+    t.numel = 5000; /* one row of 5000: 20 blocks */
+    CHECK(105, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_OK && mb.quantized == 1 && mb.blocks == 20 &&
+                   mb.first == 0);
+    t.whole_numel = 42000, t.row = 300, t.offset = 15000, t.numel = 256; /* rows of 2 blocks */
+    CHECK(106, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_OK && mb.quantized == 1 && mb.blocks == 1 &&
+                   mb.first == 100);
+    t.whole_numel = 0, t.row = 0, t.offset = 0, t.numel = 4095; /* too small: fp32 moments */
+    CHECK(107, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_OK && mb.quantized == 0 && mb.blocks == 0);
+    CHECK(108, halfstep_moment_blocks_of(&q, NULL, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+    q.exp_avg_sq_format = 3;
+    CHECK(109, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                   strstr(halfstep_last_error(), "HALFSTEP_MOMENT_BLOCK8") != NULL);
+  }
 
   /* Two tensors in two groups. */
   for (t = 0; t < 2; ++t) {
@@ -80,6 +104,7 @@ int halfstep_c_api_exercise(const char* dir) {
       m[t][i] = v[t][i] = 0.0f;
       grad[t][i] = f16_bits((0.001f + 0.0001f * (float)i) * 1024.0f);
     }
+    halfstep_tensor_init(&tensors[t]);
     tensors[t].master = master[t];
     tensors[t].grad = grad[t];
     tensors[t].exp_avg = m[t];

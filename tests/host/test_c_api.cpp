@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "halfstep/halfstep.h"
+#include "block8_pieces.hpp"
+#include "c_tensor.hpp"
 #include "halfstep/reference.hpp"
 #include "host_buffers.hpp"
 #include "sharded_run.hpp"
@@ -23,8 +25,7 @@ namespace {
 std::vector<halfstep_tensor> c_tensors(HostModel& m) {
   std::vector<halfstep_tensor> out;
   for (const halfstep::ParamTensor& p : m.views()) {
-    out.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, p.duplicate ? 1 : 0,
-                   p.tensor_id, 0, p.offset});
+    out.push_back(halfstep_test::c_tensor(p));
   }
   return out;
 }
@@ -223,7 +224,7 @@ TEST_CASE("c api lean state steps bitwise like the C++ API with the same formats
     cfg.seed = 42;
     std::vector<halfstep_tensor> tensors;
     for (const halfstep::ParamTensor& p : c.whole(capi)) {
-      tensors.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, 0, 0, 0, 0});
+      tensors.push_back(halfstep_test::c_tensor(p));
     }
     std::vector<halfstep_group> groups(c.config.groups.size());
     for (std::size_t g = 0; g < groups.size(); ++g) {
@@ -250,5 +251,95 @@ TEST_CASE("c api lean state steps bitwise like the C++ API with the same formats
     CHECK(halfstep_create(tensors.data(), static_cast<int64_t>(tensors.size()), groups.data(),
                           static_cast<int32_t>(groups.size()), &cfg, &opt) == HALFSTEP_ERROR_INVALID_ARGUMENT);
     CHECK(std::string(halfstep_last_error()).find("exp_avg") != std::string::npos);
+  }
+}
+
+TEST_CASE("c api block8 moments step bitwise like the C++ API and are refused without their scales",
+          "[c_api][block8]") {
+  using halfstep_test::Piece;
+  for (const int master_code : {HALFSTEP_MASTER_F32, HALFSTEP_MASTER_NONE}) {
+    CAPTURE(master_code);
+    halfstep::StepConfig c;
+    c.grad_dtype = c.model_dtype = c.compute_dtype = halfstep::DType::bf16;
+    c.scaler.init_scale = 1024.0f;
+    c.max_grad_norm = 1.0f;
+    c.groups[0].lr = 1e-3f;
+    c.groups[0].weight_decay = 0.01f;
+    c.state.master = static_cast<halfstep::MasterFormat>(master_code);
+    c.state.exp_avg = c.state.exp_avg_sq = halfstep::MomentFormat::block8;
+    c.state.seed = 5;
+    halfstep_config cfg;
+    halfstep_config_init(&cfg);
+    cfg.backend = HALFSTEP_BACKEND_REFERENCE;
+    cfg.grad_dtype = cfg.model_dtype = cfg.compute_dtype = HALFSTEP_BF16;
+    cfg.init_scale = 1024.0f;
+    cfg.max_grad_norm = 1.0f;
+    cfg.master_format = master_code;
+    cfg.exp_avg_format = cfg.exp_avg_sq_format = HALFSTEP_MOMENT_BLOCK8;
+    cfg.rounding = HALFSTEP_ROUND_STOCHASTIC;
+    cfg.seed = 5;
+    halfstep_group group;
+    halfstep_group_init(&group);
+    group.lr = 1e-3f;
+    group.weight_decay = 0.01f;
+    // A quantized tensor in rows of 300, a piece of another cut where a block starts, and one small
+    // enough to keep fp32 moments.
+    std::mt19937_64 gen(21);
+    std::vector<Piece> cpp = halfstep_test::make_pieces(
+        c, {{9000, 300, 0, 9000, 0}, {42000, 0, 15360, 26640, 0}, {1000, 0, 0, 1000, 0}}, gen);
+    std::vector<Piece> capi = cpp;
+    std::vector<halfstep::ParamTensor> views;
+    std::vector<halfstep_tensor> tensors;
+    for (std::size_t i = 0; i < cpp.size(); ++i) {
+      views.push_back(halfstep_test::host_view(cpp[i], c));
+      const halfstep::ParamTensor p = halfstep_test::host_view(capi[i], c);
+      halfstep_tensor t = halfstep_test::c_tensor(p);
+      halfstep_moment_blocks mb;
+      REQUIRE(halfstep_moment_blocks_of(&cfg, &t, &mb) == HALFSTEP_OK);
+      const halfstep::MomentBlocks want = halfstep::moment_blocks(c, p);
+      CHECK(mb.quantized == (want.quantized ? 1 : 0));
+      CHECK(mb.blocks == want.blocks);
+      CHECK(mb.first == want.first);
+      tensors.push_back(t);
+    }
+    REQUIRE(halfstep::moment_blocks(c, views[0]).quantized);
+    REQUIRE(!halfstep::moment_blocks(c, views[2]).quantized);
+    halfstep::FusedAdamW mine(views, c, halfstep::Backend::reference);
+    halfstep_optimizer* opt = nullptr;
+    REQUIRE(halfstep_create(tensors.data(), static_cast<int64_t>(tensors.size()), &group, 1, &cfg, &opt) == HALFSTEP_OK);
+    for (int s = 0; s < 4; ++s) {
+      halfstep_test::fill_grads(cpp, c.grad_dtype, mine.loss_scale(), gen);
+      for (std::size_t i = 0; i < cpp.size(); ++i) capi[i].grad = cpp[i].grad;
+      if (s == 2) {  // an overflow in the middle of the first tensor: skipped, nothing written
+        cpp[0].grad[4500] = capi[0].grad[4500] = 0x7F80;
+      }
+      mine.step();
+      REQUIRE(halfstep_step(opt, nullptr) == HALFSTEP_OK);
+      halfstep_report r;
+      REQUIRE(halfstep_last_report(opt, &r) == HALFSTEP_OK);
+      CHECK(r.outcome == static_cast<int32_t>(mine.last_report().outcome));
+      CHECK(r.outcome == (s == 2 ? HALFSTEP_SKIPPED_OVERFLOW : HALFSTEP_APPLIED));
+    }
+    for (std::size_t i = 0; i < cpp.size(); ++i) {
+      CAPTURE(i);
+      CHECK(capi[i].master == cpp[i].master);
+      CHECK(capi[i].model == cpp[i].model);
+      CHECK(capi[i].m8 == cpp[i].m8);
+      CHECK(capi[i].v8 == cpp[i].v8);
+      CHECK(capi[i].ms == cpp[i].ms);
+      CHECK(capi[i].vs == cpp[i].vs);
+      CHECK(capi[i].m32 == cpp[i].m32);
+      CHECK(capi[i].v32 == cpp[i].v32);
+    }
+    CHECK(!cpp[0].ms.empty());
+    CHECK(cpp[0].ms[0] != 0.0f);  // the steps wrote the scales
+    halfstep_destroy(opt);
+    // A quantized tensor without its scales is refused by name, before anything is built.
+    tensors[0].exp_avg_sq_scale = nullptr;
+    opt = nullptr;
+    CHECK(halfstep_create(tensors.data(), static_cast<int64_t>(tensors.size()), &group, 1, &cfg, &opt) ==
+          HALFSTEP_ERROR_INVALID_ARGUMENT);
+    CHECK(opt == nullptr);
+    CHECK(std::string(halfstep_last_error()).find("exp_avg_sq_scale") != std::string::npos);
   }
 }

@@ -22,6 +22,7 @@
 #include "halfstep/error.hpp"
 #include "halfstep/fused_adamw.hpp"
 #include "halfstep/halfstep.h"
+#include "c_tensor.hpp"
 #include "halfstep/safetensors.hpp"
 #include "host_buffers.hpp"
 
@@ -487,7 +488,7 @@ TEST_CASE("a header nested deeper than safetensors needs is refused before it is
     const HostModel before = m;
     std::vector<halfstep_tensor> ts;
     for (const ParamTensor& p : m.views()) {
-      ts.push_back({p.master, p.grad, p.exp_avg, p.exp_avg_sq, p.model, p.numel, p.group, 0, 0, 0, 0});
+      ts.push_back(halfstep_test::c_tensor(p));
     }
     halfstep_config c;
     halfstep_config_init(&c);
