@@ -102,20 +102,42 @@ struct Shard {
 };
 
 /// Cuts the flat parameter space made of the tensors of `layout` laid end to end (only numel,
-/// group, duplicate, tensor_id and offset are read) at [begin, end), which may fall anywhere inside
-/// tensors. `flat` holds this rank's five buffers for exactly that range (flat.numel == end - begin,
+/// group, duplicate, tensor_id, offset, whole_numel and row are read) at [begin, end), which may
+/// fall anywhere inside tensors — under MomentFormat::block8 anywhere a block starts (block_cut). `flat` holds this rank's five buffers for exactly that range (flat.numel == end - begin,
 /// each in its slot's format under `config`: slot_layouts; flat.model may be null unless the
 /// masters are remainders or there is no master, and flat.master is null then) — e.g. the output of a reduce-scatter of the flat gradients, and the
 /// rank's slices of the masters and moments. Each piece keeps its tensor's identity for
 /// stochastic rounding (tensor_id: 1 + its index in `layout` unless set; offset: where the piece
 /// starts in the tensor), so a sharded step rounds every element as an unsharded one. Tensors of
-/// zero elements belong to no shard. Throws halfstep::Error on a range outside the space or a
-/// flat buffer of another size.
+/// zero elements belong to no shard. Under MomentFormat::block8 each moment's flat buffer holds
+/// the pieces' moments one after another in each piece's own format (8-bit codes, or fp32 where a
+/// tensor keeps wide moments), each starting at a multiple of 16 bytes, and flat.exp_avg_scale and
+/// exp_avg_sq_scale hold their quantized pieces' block scales one after another: shard_state says
+/// how large. Throws halfstep::Error on a range outside the space, a flat buffer of another size,
+/// or a cut inside a block.
 HALFSTEP_API Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
                          const ParamTensor& flat, const StepConfig& config);
 /// The same for fp32 state, gradients in `grad_dtype` and a 16-bit model copy.
 HALFSTEP_API Shard shard(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
                          const ParamTensor& flat, DType grad_dtype = DType::f16);
+
+/// What a shard's flat moment and scale buffers hold (shard()): for every format but
+/// MomentFormat::block8, numel elements of each moment's format and no scales.
+struct ShardState {
+  std::int64_t exp_avg_bytes = 0;     ///< bytes of flat.exp_avg
+  std::int64_t exp_avg_sq_bytes = 0;  ///< bytes of flat.exp_avg_sq
+  std::int64_t scales = 0;            ///< floats of flat.exp_avg_scale, and of flat.exp_avg_sq_scale
+};
+/// The sizes of the flat state buffers of the shard [begin, end) of `layout` under `config`.
+HALFSTEP_API ShardState shard_state(const std::vector<ParamTensor>& layout, std::int64_t begin, std::int64_t end,
+                                    const StepConfig& config);
+
+/// The first place at or after `index` in the flat space of `layout` where a shard may start or
+/// end under `config`: `index` itself, except inside a tensor whose moments are in blocks
+/// (MomentFormat::block8, a quantized tensor), where it is the next block's start (or the
+/// tensor's end). Blocks lie in each tensor's own index space (its whole_numel and row), so where
+/// they start never depends on how the space is cut.
+HALFSTEP_API std::int64_t block_cut(const std::vector<ParamTensor>& layout, const StepConfig& config, std::int64_t index);
 
 /// The range [begin, end) rank `rank` of `ranks` holds when `numel` elements are split in order
 /// into chunks of ceil(numel / ranks): [rank·chunk, (rank + 1)·chunk), cut at numel. Every rank's
@@ -123,5 +145,12 @@ HALFSTEP_API Shard shard(const std::vector<ParamTensor>& layout, std::int64_t be
 /// elements per rank (ncclReduceScatter, ncclAllGather), with flat buffers padded to
 /// ranks·chunk; the last ranks' ranges are shorter (or empty).
 HALFSTEP_API std::pair<std::int64_t, std::int64_t> even_shard(std::int64_t numel, std::int32_t ranks, std::int32_t rank);
+/// even_shard over the flat space of `layout`, each cut moved to block_cut: under
+/// MomentFormat::block8 the ranges start and end where blocks do (so a range may be up to a
+/// block, 255 elements, longer or shorter than ceil(numel / ranks): collectives over equal
+/// counts pad every rank's range to the longest); for every other format, even_shard's ranges.
+HALFSTEP_API std::pair<std::int64_t, std::int64_t> even_shard(const std::vector<ParamTensor>& layout,
+                                                              const StepConfig& config, std::int32_t ranks,
+                                                              std::int32_t rank);
 
 }  // namespace halfstep
