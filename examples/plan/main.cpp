@@ -37,7 +37,8 @@ model is sharded across ranks (ZeRO, --ranks), each holding its own shard. With 
 ceil(params / N) parameters' masters and moments (the last ranks fewer) and the gradient and
 model-copy buffers padded to N times that, what the collectives move; the slices its step reads
 and writes are views into them (in-place reduce-scatter and all-gather). ZeRO-2 and ZeRO-3, which
-shard the gradients and the model as well, hold less. With --moments block8 the tensors' moments
+shard the gradients and the model as well, hold less. Under block8 a rank's range is cut where blocks
+start: up to 255 parameters past ceil(params / N), counted so. With --moments block8 the tensors' moments
 are counted by the library's rule (halfstep::moment_blocks): tensors of --tensors' average size with
 rows of --row elements; a tensor under 4096 elements, or with rows under 32, keeps fp32 moments.
 )";
@@ -118,9 +119,10 @@ struct RankPlan {
 };
 
 RankPlan plan_rank(double params, double tensors, double groups, double ranks, double grad_bytes,
-                   double model_bytes, double state_bytes) {
+                   double model_bytes, double state_bytes, double slack) {
   RankPlan p;
-  p.shard = std::ceil(params / ranks);
+  // Ranges cut where blocks start (block8) may each run up to `slack` elements past the even share.
+  p.shard = ranks == 1 ? params : std::min(params, std::ceil(params / ranks) + slack);
   p.padded = p.shard * ranks;
   // A shard cut out of the flat parameter space anywhere holds parts of at most this many tensors.
   const double pieces =
@@ -134,13 +136,13 @@ RankPlan plan_rank(double params, double tensors, double groups, double ranks, d
 // The most parameters that fit in `memory` on each of `ranks` ranks, by bisection on the same
 // accounting (tensors of `per_tensor` parameters on average), within what one step can hold.
 double most_that_fit(double memory, double per_tensor, double groups, double ranks, double grad_bytes,
-                     double model_bytes, double state_bytes) {
+                     double model_bytes, double state_bytes, double slack) {
   const double most_per_step = 2147483647.0 * static_cast<double>(halfstep::chunk_elements());
   double lo = 0, hi = std::min(memory / (state_bytes / ranks + grad_bytes + model_bytes), most_per_step * ranks) + 1;
   for (int i = 0; i < 200 && hi - lo > 0.5; ++i) {
     const double mid = std::floor((lo + hi) / 2);
     const RankPlan p = plan_rank(mid, std::max(1.0, std::ceil(mid / per_tensor)), groups, std::min(ranks, mid),
-                                 grad_bytes, model_bytes, state_bytes);
+                                 grad_bytes, model_bytes, state_bytes, slack);
     (mid > 0 && p.workspace >= 0 && p.total <= memory ? lo : hi) = mid;
   }
   return lo;
@@ -150,6 +152,7 @@ double most_that_fit(double memory, double per_tensor, double groups, double ran
 struct Accounting {
   double gradient = 0, model = 0, master = 0, moments = 0, moved = 0;
   bool wide = false;  // block8 asked for, but tensors of this shape keep fp32 moments
+  double slack = 0;   // how far past ceil(params / ranks) a ZeRO range may run: cut where blocks start
   double state() const { return master + moments; }
 };
 
@@ -200,6 +203,7 @@ Accounting account(const std::string& grad, const std::string& model, const std:
       const double scales = 2.0 * 4.0 * static_cast<double>(b.blocks) / static_cast<double>(t.numel);
       a.moments = codes + scales;
       a.moved += 2.0 * scales;
+      a.slack = 255;  // a cut moves to the next block start (halfstep::even_shard with the layout)
     } else {
       a.wide = true;
       a.moments = 8.0;
@@ -282,11 +286,6 @@ int main(int argc, char** argv) {
 
   if (row != std::floor(row)) return fail("--row must be a whole number of elements");
   if (row > params / tensors) return fail("--row must be no longer than a tensor (--params / --tensors)");
-  // halfstep::shard cuts the flat parameter space anywhere, and a block8 piece must start and end
-  // where blocks do: ZeRO sharding does not hold block8 moments yet.
-  if (moments == "block8" && ranks > 1) {
-    return fail("--moments block8 with --ranks: halfstep::shard does not cut block8 moments yet");
-  }
 
   if (model.empty()) model = grad == "f32" ? "none" : grad;
   if (master != "f32" && model != "bf16") {
@@ -300,7 +299,7 @@ int main(int argc, char** argv) {
   const double model_bytes = held.model;
   const double state_bytes = held.state();
   const bool sharded = ranks > 1;
-  const RankPlan mine = plan_rank(params, tensors, groups, ranks, grad_bytes, model_bytes, state_bytes);
+  const RankPlan mine = plan_rank(params, tensors, groups, ranks, grad_bytes, model_bytes, state_bytes, held.slack);
 
   std::printf("halfstep-plan: %.4g parameters in %.*g tensors, %s gradients, %s model copy", params,
               tensors < 1e9 ? 9 : 4, tensors, grad.c_str(), model == "none" ? "no" : model.c_str());
@@ -322,7 +321,7 @@ int main(int argc, char** argv) {
   }
   const std::string moment_name = moments == "block8"
                                       ? (held.wide ? "fp32 moments (small for block8)"
-                                                   : "8-bit Adam moments (m, v) + scales")
+                                                   : "8-bit moments and scales")
                                       : (moments == "f32" ? "fp32" : "bf16") + std::string(" Adam moments (m, v)");
   line(moment_name + share, static_cast<long double>(held.moments) * mine.shard);
   line(grad + " gradients" + whole, static_cast<long double>(grad_bytes) * mine.padded);
@@ -337,7 +336,7 @@ int main(int argc, char** argv) {
   // The most parameters that fit, by bisection on the same accounting (tensors of the same
   // average size, the same ranks), within what one step can hold on each rank.
   const double most_per_step = 2147483647.0 * static_cast<double>(halfstep::chunk_elements());
-  const double lo = most_that_fit(memory, per_tensor, groups, ranks, grad_bytes, model_bytes, state_bytes);
+  const double lo = most_that_fit(memory, per_tensor, groups, ranks, grad_bytes, model_bytes, state_bytes, held.slack);
   if (mine.workspace < 0) {
     std::printf("\n  one step holds at most 2^31 - 1 chunks of %lld parameters (%.4g): %s\n",
                 static_cast<long long>(halfstep::chunk_elements()), most_per_step,
@@ -363,9 +362,8 @@ int main(int argc, char** argv) {
     for (const char* m : {"f32", "bf16_remainder", "none"}) {
       if (std::string(m) != "f32" && model != "bf16") continue;
       for (const char* v : {"f32", "bf16", "block8"}) {
-        if (std::string(v) == "block8" && sharded) continue;  // not with ZeRO yet (above)
         const Accounting b = account(grad, model, m, v, per_tensor, row);
-        const double most = most_that_fit(memory, per_tensor, groups, ranks, b.gradient, b.model, b.state());
+        const double most = most_that_fit(memory, per_tensor, groups, ranks, b.gradient, b.model, b.state(), b.slack);
         std::printf("  %-34s %9.4g %9.4g  %.4g parameters%s\n", (std::string(m) + ", " + v).c_str(),
                     b.state() / ranks + b.gradient + b.model, b.moved, most,
                     std::string(m) == master && std::string(v) == moments ? "  (this plan)" : "");

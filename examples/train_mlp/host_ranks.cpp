@@ -46,7 +46,8 @@ float f16(std::uint16_t bits) { return static_cast<float>(halfstep::from_f16_bit
 struct HostShard {
   std::int64_t begin = 0, end = 0;
   std::vector<float> master;
-  std::vector<unsigned char> exp_avg, exp_avg_sq;  // the moments in their format
+  std::vector<unsigned char> exp_avg, exp_avg_sq;  // the moments in their format (shard_state's bytes)
+  std::vector<float> exp_avg_scale, exp_avg_sq_scale;  // block8: the pieces' block scales
   std::vector<std::uint16_t> grad, model;
   halfstep::Shard pieces;
   std::unique_ptr<halfstep::FusedAdamW> opt;
@@ -58,6 +59,8 @@ struct HostShard {
     p.exp_avg_sq = exp_avg_sq.data();
     p.model = model.data();
     p.numel = end - begin;
+    p.exp_avg_scale = exp_avg_scale.data();
+    p.exp_avg_sq_scale = exp_avg_sq_scale.data();
     return p;
   }
 };
@@ -73,6 +76,7 @@ class HostRanks final : public Trainer {
       halfstep::ParamTensor shape;
       shape.numel = t.numel;
       shape.group = t.group;
+      shape.row = t.row;  // where block8's blocks lie
       layout_.push_back(shape);
       const auto* m = static_cast<const float*>(t.master);
       masters.insert(masters.end(), m, m + t.numel);
@@ -81,11 +85,16 @@ class HostRanks final : public Trainer {
     shards_.resize(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) {
       HostShard& s = shards_[static_cast<std::size_t>(r)];
-      std::tie(s.begin, s.end) = halfstep::even_shard(total_, n, r);
+      // Even ranges, their cuts moved to block starts under block8.
+      std::tie(s.begin, s.end) = halfstep::even_shard(layout_, config_, n, r);
       const auto len = static_cast<std::size_t>(s.end - s.begin);
+      const halfstep::ShardState sizes = halfstep::shard_state(layout_, s.begin, s.end, config_);
       s.master.assign(masters.begin() + s.begin, masters.begin() + s.end);
-      s.exp_avg.assign(len * slot_bytes(config_, halfstep::Slot::exp_avg), 0);  // zero in every format
-      s.exp_avg_sq.assign(len * slot_bytes(config_, halfstep::Slot::exp_avg_sq), 0);
+      // Zero in every format (block8: scales of 0 decode every code to 0).
+      s.exp_avg.assign(static_cast<std::size_t>(sizes.exp_avg_bytes), 0);
+      s.exp_avg_sq.assign(static_cast<std::size_t>(sizes.exp_avg_sq_bytes), 0);
+      s.exp_avg_scale.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
+      s.exp_avg_sq_scale.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
       s.grad.assign(len, 0);
       s.model.assign(engines_[0]->flat_model() + s.begin, engines_[0]->flat_model() + s.end);
       s.pieces = halfstep::shard(layout_, s.begin, s.end, s.flat(), config_);
@@ -149,7 +158,8 @@ class HostRanks final : public Trainer {
   void save(const std::vector<std::string>& names, const std::string& path,
             const halfstep::CheckpointOptions& options) override {
     // The shards gathered into whole buffers, saved by an optimizer built on them with the state
-    // every rank holds.
+    // every rank holds (not under block8, whose shards are not slices of a flat buffer: main()
+    // refuses checkpoints with it, and shard() below would refuse the missing scales).
     std::vector<float> master;
     std::vector<unsigned char> exp_avg, exp_avg_sq;
     std::vector<std::uint16_t> grad, model;

@@ -243,7 +243,7 @@ Options parse(int argc, char** argv) {
                  "the Adam moments' format: f32 (default), bf16 (decoded and encoded inside the\n"
                  "fused step, 2 B each instead of 4) or block8 (8-bit codes with an fp32 scale per\n"
                  "block of 256 elements of a row, 1 B each; tensors under 4096 elements stay fp32;\n"
-                 "not with --ranks yet). The masters stay fp32: this program computes in fp16, and\n"
+                 "--ranks on the CPU engine only). The masters stay fp32: this program computes in fp16, and\n"
                  "remainders rebuild masters from a bf16 model copy only")
       ->check(CLI::IsMember({"f32", "bf16", "block8"}));
   app.add_option("--rounding", o.rounding,
@@ -267,7 +267,10 @@ Options parse(int argc, char** argv) {
   }
   o.growth_interval_given = growth->count() > 0;
   if (o.replicate_batch && o.ranks == 0) usage_error("--replicate-batch needs --ranks");
-  if (o.moments == "block8" && o.ranks > 0) usage_error("--moments block8 does not run with --ranks yet (shard() does not cut block8 moments)");
+  if (o.moments == "block8" && o.ranks > 0 && !o.cpu && train::cuda_available()) {
+    usage_error("--moments block8 runs with --ranks on the CPU engine (--cpu) only: the NCCL ranks' collectives do "
+                "not pad ranges cut where blocks start yet");
+  }
   if (o.moments == "block8" && (!o.checkpoint.empty() || !o.resume.empty())) {
     usage_error("--moments block8 does not run with --checkpoint or --resume yet (checkpoints do not hold block8 moments)");
   }
