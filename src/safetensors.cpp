@@ -12,12 +12,15 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <set>
 
+#include "block8.hpp"
+#include "block8_geometry.hpp"
 #include "check.hpp"
 #include "fused_impl.hpp"
 #include "halfstep/checkpoint.hpp"
@@ -34,22 +37,31 @@ using detail::kVersionKey;
 using detail::require;
 using Json = nlohmann::ordered_json;
 
-// What a stored tensor is to one of the optimizer's tensors.
-enum class Role { master, exp_avg, exp_avg_sq, model };
+// What a stored tensor is to one of the optimizer's tensors. The scales are block8 moments' block
+// scales, beside their codes.
+enum class Role { master, exp_avg, exp_avg_sq, model, exp_avg_scale, exp_avg_sq_scale };
 
 // One stored tensor: a part (master, moment or model copy) of one of the optimizer's tensors. In
 // the file a master is always its fp32 values (with remainders: rebuilt from the model copy;
 // without a master: the bf16 model copy's values), a moment its stored format's, a model copy its
-// format's.
+// format's. A moment of a tensor with block8 codes (quantized: moment_blocks) is stored as its
+// codes (U8, shaped [rows, row] of the whole tensor) and, as name + ".scale", its block scales
+// (F32, [rows, blocks a row]).
 struct Part {
   std::string name;
   Role role;
   std::size_t tensor;       // the optimizer's tensor it belongs to
-  std::int64_t numel;
+  std::int64_t numel;       // elements (a scale part: blocks)
   bool has_model;           // the tensor has a model copy, which its master must round to finitely
-  std::int64_t offset = 0;  // loading a shard: the first element of the stored tensor it takes
+  std::int64_t offset = 0;  // loading a shard: the first element (block) of the stored tensor it takes
   bool slice = false;       // loading a shard: the stored tensor may be longer
+  bool codes = false;       // a moment this optimizer holds as block8 codes (and a scale part's)
 };
+
+bool is_scale(Role r) { return r == Role::exp_avg_scale || r == Role::exp_avg_sq_scale; }
+bool is_moment(Role r) { return r == Role::exp_avg || r == Role::exp_avg_sq; }
+
+std::size_t dtype_bytes(const std::string& dtype) { return dtype == "F32" ? 4 : dtype == "U8" ? 1 : 2; }
 
 const char* model_code(DType d) { return d == DType::bf16 ? "BF16" : "F16"; }
 const char* moment_code(MomentFormat f) { return f == MomentFormat::bf16 ? "BF16" : "F32"; }
@@ -67,9 +79,6 @@ std::vector<Part> parts_of(const FusedAdamW& opt, const std::vector<std::string>
     require(names.size() == tensors.size(), "names must hold one name per tensor (", tensors.size(),
             "), got ", names.size());
   }
-  require(opt.config().state.exp_avg != MomentFormat::block8,
-          "safetensors checkpoints do not hold block8 moments (8-bit codes and block scales) yet: save "
-          "the optimizer's state through its buffers, or step with f32 or bf16 moments");
   std::vector<Part> parts;
   std::set<std::string> seen;
   for (std::size_t t = 0; t < tensors.size(); ++t) {
@@ -87,25 +96,39 @@ std::vector<Part> parts_of(const FusedAdamW& opt, const std::vector<std::string>
     }
     const std::string& base = names[name_index];
     require(!base.empty(), "names[", name_index, "] is empty");
+    const MomentBlocks blocks = moment_blocks(opt.config(), p);
     auto add = [&](const std::string& name, Role role) {
       require(name != "__metadata__" && (shard != nullptr || seen.insert(name).second), "names[", t,
               "] makes the tensor name '", name,
-              "' twice (names must be distinct, also with the suffixes .exp_avg, .exp_avg_sq, .model)");
-      parts.push_back(Part{name, role, t, p.numel, p.model != nullptr, offset, shard != nullptr});
+              "' twice (names must be distinct, also with the suffixes .exp_avg, .exp_avg_sq, .model, "
+              ".exp_avg.scale, .exp_avg_sq.scale)");
+      Part part{name, role, t, p.numel, p.model != nullptr, offset, shard != nullptr, blocks.quantized && role != Role::master && role != Role::model};
+      if (is_scale(role)) {  // the piece's blocks, from the first of the stored tensor's
+        part.numel = blocks.blocks;
+        part.offset = blocks.first - detail::block8_geometry_of(p).first_block_from(p.offset - offset);
+      }
+      parts.push_back(part);
     };
     add(base, Role::master);
     add(base + ".exp_avg", Role::exp_avg);
     add(base + ".exp_avg_sq", Role::exp_avg_sq);
+    if (blocks.quantized) {
+      add(base + ".exp_avg.scale", Role::exp_avg_scale);
+      add(base + ".exp_avg_sq.scale", Role::exp_avg_sq_scale);
+    }
     if (p.model != nullptr && include_model) add(base + ".model", Role::model);
   }
   return parts;
 }
 
 // A part's values as checkpoints speak of them: fp32 values (masters and moments, whatever their
-// stored format) or a model copy's patterns.
+// stored format; block scales) or a model copy's patterns; a block8 moment's codes, and on load
+// its block scales beside them.
 struct Values {
   std::vector<float> f;
   std::vector<std::uint16_t> bits;
+  std::vector<std::uint8_t> codes;
+  std::vector<float> scales;
 };
 
 float bf16_float(std::uint16_t b) {
@@ -138,6 +161,14 @@ std::string bad_value(const Part& p, const Values& v, DType model_dtype) {
       if (k == BitClass::infinite || k == BitClass::nan) {
         return concat("element ", first + i, " is ", k == BitClass::nan ? "NaN" : "infinite", " (", dtype_name(model_dtype),
                       " bits 0x", std::hex, v.bits[i], std::dec, "): a model copy must be finite");
+      }
+    }
+    return "";
+  }
+  if (is_scale(p.role)) {
+    for (std::size_t i = 0; i < v.f.size(); ++i) {
+      if (!detail::finite(v.f[i]) || v.f[i] < 0.0f) {
+        return concat("block ", first + i, "'s scale is ", v.f[i], ": a block scale must be finite and >= 0");
       }
     }
     return "";
@@ -204,8 +235,19 @@ Values read_part(FusedAdamW& opt, const Part& p) {
         floats(t.master, false);
       }
       break;
-    case Role::exp_avg: floats(t.exp_avg, f.exp_avg == MomentFormat::bf16); break;
-    case Role::exp_avg_sq: floats(t.exp_avg_sq, f.exp_avg_sq == MomentFormat::bf16); break;
+    case Role::exp_avg:
+    case Role::exp_avg_sq: {
+      const void* buffer = p.role == Role::exp_avg ? t.exp_avg : t.exp_avg_sq;
+      if (p.codes) {
+        const std::vector<char> raw = copy_out(opt, buffer, n, 1);
+        v.codes.assign(raw.begin(), raw.end());
+      } else {
+        floats(buffer, (p.role == Role::exp_avg ? f.exp_avg : f.exp_avg_sq) == MomentFormat::bf16);
+      }
+      break;
+    }
+    case Role::exp_avg_scale: floats(t.exp_avg_scale, false); break;
+    case Role::exp_avg_sq_scale: floats(t.exp_avg_sq_scale, false); break;
     case Role::model: {
       const std::vector<char> raw = copy_out(opt, t.model, n, 2);
       v.bits.resize(n);
@@ -221,9 +263,11 @@ const char* stored_dtype(const FusedAdamW& opt, const Part& p) {
   const StateFormat& f = opt.config().state;
   switch (p.role) {
     case Role::master: return "F32";
-    case Role::exp_avg: return moment_code(f.exp_avg);
-    case Role::exp_avg_sq: return moment_code(f.exp_avg_sq);
+    case Role::exp_avg: return p.codes ? "U8" : moment_code(f.exp_avg);
+    case Role::exp_avg_sq: return p.codes ? "U8" : moment_code(f.exp_avg_sq);
     case Role::model: return model_code(opt.config().model_dtype);
+    case Role::exp_avg_scale:
+    case Role::exp_avg_sq_scale: return "F32";
   }
   return "";
 }
@@ -236,6 +280,7 @@ std::string file_bytes(const FusedAdamW& opt, const Part& p, const Values& v) {
     std::copy_n(reinterpret_cast<const char*>(v.bits.data()), out.size(), out.data());
     return out;
   }
+  if (!v.codes.empty() || (p.codes && is_moment(p.role))) return std::string(v.codes.begin(), v.codes.end());
   const bool bf16 = std::strcmp(stored_dtype(opt, p), "BF16") == 0;
   out.resize((bf16 ? 2 : 4) * v.f.size());
   for (std::size_t i = 0; i < v.f.size(); ++i) {
@@ -347,6 +392,14 @@ class PartialFile {
 void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, const std::string& path,
                      const CheckpointOptions& options) {
   std::vector<Part> parts = parts_of(opt, names, options.include_model);
+  for (std::size_t t = 0; t < opt.tensors().size(); ++t) {  // codes are stored in their whole tensor's shape
+    const ParamTensor& p = opt.tensors()[t];
+    require(!moment_blocks(opt.config(), p).quantized || (p.offset == 0 && detail::whole_numel_of(p) == p.numel),
+            "save_checkpoint: tensors[", t, "] is a piece (elements [", p.offset, ", ", p.offset + p.numel, ") of ",
+            detail::whole_numel_of(p), ") of a tensor with block8 moments, whose codes and scales a checkpoint "
+            "stores whole: save from an optimizer over whole tensors (gather the shards; load_checkpoint with a "
+            "Shard then reads each rank's slices)");
+  }
   for (const auto& [key, value] : options.metadata) {
     require(key.rfind("halfstep.", 0) != 0, "CheckpointOptions.metadata key '", key,
             "' starts with 'halfstep.', which halfstep's own keys use");
@@ -356,17 +409,23 @@ void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, con
   check_target(path, tmp);
   const std::string state = opt.save_state();  // waits for the last step
 
-  // The 4-byte tensors first, then the 2-byte ones (model copies, bf16 moments): every tensor
-  // starts at a multiple of its element size (an odd-length model copy would misalign the masters
-  // after it).
-  auto bytes_of = [&](const Part& p) {
-    return static_cast<std::uint64_t>(p.numel) * (std::strcmp(stored_dtype(opt, p), "F32") == 0 ? 4u : 2u);
+  // The 4-byte tensors first, then the 2-byte ones (model copies, bf16 moments), then the bytes
+  // (block8 codes): every tensor starts at a multiple of its element size (an odd-length model
+  // copy would misalign the masters after it).
+  auto bytes_of = [&](const Part& p) { return static_cast<std::uint64_t>(p.numel) * dtype_bytes(stored_dtype(opt, p)); };
+  std::stable_sort(parts.begin(), parts.end(), [&](const Part& a, const Part& b) {
+    return dtype_bytes(stored_dtype(opt, a)) > dtype_bytes(stored_dtype(opt, b));
+  });
+  // Codes and scales in their tensor's rows, so that a load reads the blocks from the file itself.
+  auto shape_of = [&](const Part& p) {
+    if (!p.codes) return Json::array({p.numel});
+    const detail::Block8Geometry g = detail::block8_geometry_of(opt.tensors()[p.tensor]);
+    return Json::array({g.numel / g.row, is_scale(p.role) ? g.blocks_per_row : g.row});
   };
-  std::stable_partition(parts.begin(), parts.end(), [&](const Part& p) { return std::strcmp(stored_dtype(opt, p), "F32") == 0; });
   Json header = Json::object();
   std::uint64_t offset = 0;
   for (const Part& p : parts) {
-    header[p.name] = {{"dtype", stored_dtype(opt, p)}, {"shape", {p.numel}}, {"data_offsets", {offset, offset + bytes_of(p)}}};
+    header[p.name] = {{"dtype", stored_dtype(opt, p)}, {"shape", shape_of(p)}, {"data_offsets", {offset, offset + bytes_of(p)}}};
     offset += bytes_of(p);
   }
   Json meta = Json::object();
@@ -439,7 +498,82 @@ void decode_part(const Part& p, const std::string& dtype, const std::vector<char
   }
 }
 
-std::size_t dtype_bytes(const std::string& dtype) { return dtype == "F32" ? 4 : 2; }
+
+// A moment stored as block8 codes (`raw`: the part's codes) and, as name + ".scale", its block
+// scales, in the stored tensor's rows (its shape [rows, row]; one row if one-dimensional). Where
+// this optimizer holds the part as codes in the same blocks, `v` takes the codes and scales as they
+// are (exact); otherwise their values (decoded, exp_avg_sq squared in double), for the
+// optimizer's format.
+void read_codes(const FusedAdamW& opt, const Part& p, const detail::SafetensorsEntry& e,
+                const detail::SafetensorsHeader& h, std::ifstream& f, const std::string& path,
+                const std::vector<char>& raw, Values& v) {
+  const std::string where = concat("tensor '", p.name, "'");
+  const auto numel = static_cast<std::int64_t>(e.numel);
+  const std::int64_t row = e.dims >= 2 ? static_cast<std::int64_t>(e.last) : numel;
+  const detail::Block8Geometry stored = detail::block8_geometry(numel, row);
+  if (!stored.quantized) {
+    corrupt(path, concat(where, " holds U8 block8 codes of ", numel, " elements in rows of ", row,
+                         ", a shape whose moments are never in blocks (under 4096 elements, rows under 32, or rows that "
+                         "do not divide it)"));
+  }
+  const std::string scale_name = p.name + ".scale";
+  const auto it = h.tensors.find(scale_name);
+  if (it == h.tensors.end()) corrupt(path, concat(where, " holds block8 codes, and the file has no '", scale_name, "'"));
+  const detail::SafetensorsEntry& s = it->second;
+  if (s.dtype != "F32" || s.numel != static_cast<std::uint64_t>(stored.blocks)) {
+    corrupt(path, concat("tensor '", scale_name, "' is ", s.dtype, " of ", s.numel, " elements; the codes of ", where,
+                         " in rows of ", row, " need F32 of ", stored.blocks, " (a scale per block)"));
+  }
+  const std::int64_t first = stored.block_of(p.offset);
+  const std::int64_t count = p.numel > 0 ? stored.block_of(p.offset + p.numel - 1) - first + 1 : 0;
+  Values sv;
+  sv.f.resize(static_cast<std::size_t>(count));
+  f.seekg(static_cast<std::streamoff>(8 + h.header_bytes + s.begin + static_cast<std::uint64_t>(first) * 4));
+  f.read(reinterpret_cast<char*>(sv.f.data()), static_cast<std::streamsize>(4 * sv.f.size()));
+  if (!f) corrupt(path, concat("reading tensor '", scale_name, "' failed"));
+  Part scale_part = p;
+  scale_part.role = p.role == Role::exp_avg ? Role::exp_avg_scale : Role::exp_avg_sq_scale;
+  scale_part.offset = first;
+  const std::string bad = bad_value(scale_part, sv, opt.config().model_dtype);
+  if (!bad.empty()) corrupt(path, concat("tensor '", scale_name, "' ", bad));
+
+  const ParamTensor& t = opt.tensors()[p.tensor];
+  const detail::Block8Geometry mine = detail::block8_geometry_of(t);
+  if (p.codes && mine.numel == stored.numel && mine.row == stored.row && t.offset == p.offset) {
+    v.codes.assign(raw.begin(), raw.end());
+    v.scales = std::move(sv.f);
+    return;
+  }
+  const detail::Codec8& codec = p.role == Role::exp_avg ? detail::kSignedCodec8 : detail::kUnsignedCodec8;
+  v.f.resize(static_cast<std::size_t>(p.numel));
+  for (std::int64_t i = 0; i < p.numel; ++i) {
+    const auto code = static_cast<std::uint8_t>(raw[static_cast<std::size_t>(i)]);
+    const double x = detail::decode8(codec, code, sv.f[static_cast<std::size_t>(stored.block_of(p.offset + i) - first)]);
+    v.f[static_cast<std::size_t>(i)] = static_cast<float>(p.role == Role::exp_avg ? x : x * x);
+  }
+}
+
+// A moment's values as block8 codes and scales in tensor t's blocks (a piece holds whole blocks):
+// exp_avg to nearest, exp_avg_sq as its square root to nearest, a positive root never as 0 — how
+// a step encodes them, without the random bits (a conversion rounds once, to nearest, as fp32
+// into bf16 does).
+void encode_codes(const StepConfig& config, const ParamTensor& t, Role role, const std::vector<float>& x, Values& v) {
+  const MomentBlocks b = moment_blocks(config, t);
+  const detail::Block8Geometry g = detail::block8_geometry_of(t);
+  const bool sq = role == Role::exp_avg_sq;
+  v.codes.resize(x.size());
+  v.scales.resize(static_cast<std::size_t>(b.blocks));
+  std::size_t i = 0;
+  for (std::int64_t k = 0; k < b.blocks; ++k) {
+    const auto n = static_cast<std::size_t>(g.block_size(b.first + k));
+    float in[detail::kBlock8];
+    for (std::size_t j = 0; j < n; ++j) in[j] = sq ? static_cast<float>(std::sqrt(static_cast<double>(x[i + j]))) : x[i + j];
+    const bool ok = detail::encode_block8(sq ? detail::kUnsignedCodec8 : detail::kSignedCodec8, in, static_cast<int>(n),
+                                          false, nullptr, 0, sq, v.codes.data() + i, v.scales[static_cast<std::size_t>(k)]);
+    require(ok, "load_checkpoint: a block of '", static_cast<int>(role), "' does not encode");  // finite, checked: it does
+    i += n;
+  }
+}
 
 std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector<Part>& parts, const std::string& path) {
   // Read and check everything first: the header, the state, then every part's values in host
@@ -464,6 +598,7 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
   for (std::size_t k = 0; k < parts.size(); ++k) {
     const Part& p = parts[k];
     if (p.role == Role::master) master_of[p.tensor] = k;
+    if (is_scale(p.role)) continue;  // read with its codes
     const auto it = h.tensors.find(p.name);
     if (it == h.tensors.end()) {
       if (p.role != Role::model) corrupt(path, concat("no tensor '", p.name, "'"));
@@ -471,14 +606,14 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
     }
     const detail::SafetensorsEntry& e = it->second;
     const auto where = concat("tensor '", p.name, "'");
-    // A master is stored as F32, a moment as F32 or BF16 (converted to this optimizer's format), a
-    // model copy in this optimizer's model format.
+    // A master is stored as F32, a moment as F32, BF16 or U8 block8 codes (converted to this
+    // optimizer's format), a model copy in this optimizer's model format.
     const std::string model = model_code(model_dtype);
     const bool accepted = p.role == Role::model ? e.dtype == model
-                          : e.dtype == "F32" || (p.role != Role::master && e.dtype == "BF16");
+                          : e.dtype == "F32" || (p.role != Role::master && (e.dtype == "BF16" || e.dtype == "U8"));
     if (!accepted) {
       corrupt(path, concat(where, " is ", e.dtype, ", this optimizer needs ",
-                           p.role == Role::model ? model : p.role == Role::master ? "F32" : "F32 or BF16"));
+                           p.role == Role::model ? model : p.role == Role::master ? "F32" : "F32, BF16 or U8"));
     }
     const std::uint64_t wanted = static_cast<std::uint64_t>(p.offset) + static_cast<std::uint64_t>(p.numel);
     if (p.slice ? e.numel < wanted : e.numel != wanted) {
@@ -490,7 +625,11 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
     f.seekg(static_cast<std::streamoff>(data_start + e.begin + static_cast<std::uint64_t>(p.offset) * elem));
     f.read(raw.data(), static_cast<std::streamsize>(raw.size()));
     if (!f) corrupt(path, concat("reading ", where, " failed"));
-    decode_part(p, e.dtype, raw, values[k]);
+    if (e.dtype == "U8") {
+      read_codes(opt, p, e, h, f, path, raw, values[k]);
+    } else {
+      decode_part(p, e.dtype, raw, values[k]);
+    }
     // With a bf16 model copy a master is canonical (halfstep::canonical_master): what a step of
     // either master format would have stored, so that both resume alike.
     if (p.role == Role::master && p.has_model && model_dtype == DType::bf16) {
@@ -498,7 +637,7 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
         if (detail::finite(x)) x = bits_float(canonical_master(float_bits(x)));
       }
     }
-    const std::string bad = bad_value(p, values[k], model_dtype);
+    const std::string bad = values[k].codes.empty() ? bad_value(p, values[k], model_dtype) : "";
     if (!bad.empty()) corrupt(path, concat(where, " ", bad));
     present[k] = true;
   }
@@ -510,6 +649,15 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
     const Part& p = parts[k];
     const ParamTensor& t = opt.tensors()[p.tensor];
     const auto n = static_cast<std::size_t>(p.numel);
+    if (is_scale(p.role)) continue;  // written with the codes
+    if (p.codes) {  // block8 codes and scales: as stored, or encoded from the values
+      Values& v = values[k];
+      if (v.codes.empty()) encode_codes(config, t, p.role, v.f, v);
+      const bool m = p.role == Role::exp_avg;
+      backend.copy_in(m ? t.exp_avg : t.exp_avg_sq, v.codes.data(), n);
+      backend.copy_in(m ? t.exp_avg_scale : t.exp_avg_sq_scale, v.scales.data(), 4 * v.scales.size());
+      continue;
+    }
     if (p.role == Role::model) {
       if (remainder || no_master) continue;  // written with the master
       std::vector<std::uint16_t> bits = values[k].bits;

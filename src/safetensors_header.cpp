@@ -92,6 +92,8 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
         fail(concat("tensor ", shown(name_), ": the element count of its shape overflows 64 bits"));
       }
       entry_.numel *= v;
+      ++entry_.dims;
+      entry_.last = v;
       return true;
     }
     if (in() == In::offsets) {

@@ -37,6 +37,7 @@ inline constexpr std::size_t kMaxMetadataPairs = std::size_t{1} << 16;
 struct SafetensorsEntry {
   std::string dtype;
   std::uint64_t numel = 0;
+  std::uint64_t dims = 0, last = 0;  // the shape's length and its last size (0 for a scalar)
   std::uint64_t begin = 0, end = 0;
 };
 

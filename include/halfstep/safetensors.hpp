@@ -26,8 +26,12 @@ struct CheckpointOptions {
 /// optimizer was built with), its fp32 master as `names[i]`, its moments as `names[i] + ".exp_avg"`
 /// and `names[i] + ".exp_avg_sq"` (F32), its model copy as `names[i] + ".model"` (F16 or BF16),
 /// each one-dimensional; the metadata holds "halfstep.version" and "halfstep.optimizer_state"
-/// (save_state, hex-encoded) next to the caller's pairs. The F32 tensors come first in the data,
-/// then the model copies, so that every tensor starts at a multiple of its element size. Waits for
+/// (save_state, hex-encoded) next to the caller's pairs. Under MomentFormat::block8 a quantized
+/// tensor's moments are its codes (U8, shaped [rows, row] of the tensor, so that the blocks can be
+/// read from the file) with `names[i] + ".exp_avg.scale"` and `".exp_avg_sq.scale"` (F32, [rows,
+/// blocks a row]); such a tensor must be whole (offset 0, whole_numel its numel): save from whole
+/// tensors, and load into each rank's shard. The F32 tensors come first in the data, then the
+/// 2-byte ones, then the codes, so that every tensor starts at a multiple of its element size. Waits for
 /// the last step, works on either backend, and replaces `path` only once the whole file is
 /// written (to `path + ".partial"`, flushed to the disk, then renamed).
 ///
@@ -39,7 +43,10 @@ struct CheckpointOptions {
 HALFSTEP_API void save_checkpoint(FusedAdamW& opt, const std::vector<std::string>& names, const std::string& path,
                      const CheckpointOptions& options = {});
 
-/// Restores what save_checkpoint wrote into `opt`'s buffers and state, bit for bit. Every tensor
+/// Restores what save_checkpoint wrote into `opt`'s buffers and state, bit for bit. Moments in
+/// another format are converted: F32 or BF16 values (and block8 codes, decoded with their
+/// scales in the stored tensor's blocks: exp_avg_sq squared) into fp32 exactly, into bf16 to
+/// nearest even, into block8 codes block by block as a step encodes them, to nearest. Every tensor
 /// is matched by name (any shape with the right number of elements and the right dtype is
 /// accepted) and the optimizer state against `opt`'s configuration before anything is written; a
 /// truncated file, a missing or mismatched tensor or a state from another configuration throws

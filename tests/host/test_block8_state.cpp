@@ -143,10 +143,6 @@ TEST_CASE("block8 moments: tensors that break a rule are refused by name before 
     v[0].exp_avg_scale = pieces[0].ms.data();
     CHECK_THROWS_WITH(validate(v, f32), Catch::Contains("only block8 moments have block scales"));
   }
-  // What is not built for block8 yet says so instead of misreading the bytes.
-  FusedAdamW opt(views(), c, Backend::reference);
-  CHECK_THROWS_WITH(save_checkpoint(opt, {"a", "b"}, "/tmp/never_written.safetensors"),
-                    Catch::Contains("do not hold block8 moments"));
 }
 
 TEST_CASE("block8 moments: a tensor stepped whole or as pieces cut where blocks start is bitwise the same",

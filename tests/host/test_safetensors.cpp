@@ -23,6 +23,7 @@
 #include "halfstep/fused_adamw.hpp"
 #include "halfstep/halfstep.h"
 #include "c_tensor.hpp"
+#include "safetensors_file.hpp"
 #include "halfstep/safetensors.hpp"
 #include "host_buffers.hpp"
 
@@ -48,58 +49,6 @@ StepConfig sample_config(DType model = DType::bf16) {
 }
 
 std::string temp_path(const std::string& name) { return "halfstep_test_" + name + ".safetensors"; }
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
-void write_file(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
-
-// A safetensors file cut into its JSON header and its data section, to edit either.
-struct File {
-  std::string header, data;
-};
-
-File split(const std::string& bytes) {
-  std::uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)])) << (8 * i);
-  return {bytes.substr(8, static_cast<std::size_t>(n)), bytes.substr(8 + static_cast<std::size_t>(n))};
-}
-
-std::string join(const File& f) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>((f.header.size() >> (8 * i)) & 0xFFu);
-  return out + f.header + f.data;
-}
-
-void replace(std::string& text, const std::string& from, const std::string& to) {
-  const std::size_t at = text.find(from);
-  REQUIRE(at != std::string::npos);
-  text.replace(at, from.size(), to);
-}
-
-// Where tensor `name`'s bytes begin in the data section, read from the header save_checkpoint wrote.
-std::size_t begin_of(const File& f, const std::string& name) {
-  const std::size_t entry = f.header.find("\"" + name + "\":{");
-  REQUIRE(entry != std::string::npos);
-  const std::string key = "\"data_offsets\":[";
-  const std::size_t at = f.header.find(key, entry);
-  REQUIRE(at != std::string::npos);
-  return static_cast<std::size_t>(std::stoull(f.header.substr(at + key.size())));
-}
-
-// Overwrites element `i` of tensor `name` (of `T`) in a checkpoint's data section.
-template <class T>
-std::string with_element(const std::string& bytes, const std::string& name, std::size_t i, T value) {
-  File f = split(bytes);
-  std::memcpy(&f.data[begin_of(f, name) + i * sizeof(T)], &value, sizeof(T));
-  return join(f);
-}
 
 // A header nested `depth` lists deep at `where` ("VALUE" in it is replaced).
 std::string nested(const std::string& where, std::size_t depth) {
