@@ -1,6 +1,7 @@
 // halfstep-train's trainers on the host: the plain single-engine one, and data parallelism with
 // ranks simulated in one process on the CPU engine.
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "trainer.hpp"
@@ -157,24 +158,54 @@ class HostRanks final : public Trainer {
 
   void save(const std::vector<std::string>& names, const std::string& path,
             const halfstep::CheckpointOptions& options) override {
-    // The shards gathered into whole buffers, saved by an optimizer built on them with the state
-    // every rank holds (not under block8, whose shards are not slices of a flat buffer: main()
-    // refuses checkpoints with it, and shard() below would refuse the missing scales).
-    std::vector<float> master;
-    std::vector<unsigned char> exp_avg, exp_avg_sq;
-    std::vector<std::uint16_t> grad, model;
-    for (const HostShard& s : shards_) {
-      master.insert(master.end(), s.master.begin(), s.master.end());
-      exp_avg.insert(exp_avg.end(), s.exp_avg.begin(), s.exp_avg.end());
-      exp_avg_sq.insert(exp_avg_sq.end(), s.exp_avg_sq.begin(), s.exp_avg_sq.end());
-      grad.insert(grad.end(), s.grad.begin(), s.grad.end());
-      model.insert(model.end(), s.model.begin(), s.model.end());
+    // The shards gathered into whole tensors, saved by an optimizer built on them with the state
+    // every rank holds. Each piece's buffers go to its place in its tensor: elements at its offset
+    // (at each slot's element size: block8 codes, or fp32 moments where a tensor keeps them),
+    // block scales at its first block.
+    struct Whole {
+      std::vector<unsigned char> slot[halfstep::kSlotCount];
+      std::vector<float> exp_avg_scale, exp_avg_sq_scale;
+    };
+    std::vector<Whole> whole(layout_.size());
+    std::vector<halfstep::ParamTensor> tensors;
+    for (std::size_t t = 0; t < layout_.size(); ++t) {
+      halfstep::ParamTensor w = layout_[t];
+      for (const halfstep::SlotLayout& slot : halfstep::slot_layouts(config_, w)) {
+        auto& bytes = whole[t].slot[static_cast<int>(slot.slot)];
+        bytes.assign(static_cast<std::size_t>(w.numel) * slot.element_bytes, 0);
+        if (slot.present) halfstep::set_slot_pointer(w, slot.slot, bytes.data());
+      }
+      const halfstep::MomentBlocks b = halfstep::moment_blocks(config_, w);
+      whole[t].exp_avg_scale.assign(static_cast<std::size_t>(b.blocks), 0.0f);
+      whole[t].exp_avg_sq_scale.assign(static_cast<std::size_t>(b.blocks), 0.0f);
+      if (b.quantized) {
+        w.exp_avg_scale = whole[t].exp_avg_scale.data();
+        w.exp_avg_sq_scale = whole[t].exp_avg_sq_scale.data();
+      }
+      tensors.push_back(w);
     }
-    halfstep::ParamTensor flat{master.data(), grad.data(), exp_avg.data(), exp_avg_sq.data(), model.data(), total_, 0};
-    halfstep::FusedAdamW whole(halfstep::shard(layout_, 0, total_, flat, config_).tensors, config_,
-                               halfstep::Backend::reference);
-    whole.load_state(shards_[0].opt->save_state());
-    halfstep::save_checkpoint(whole, names, path, options);
+    for (const HostShard& s : shards_) {
+      for (std::size_t k = 0; k < s.pieces.tensors.size(); ++k) {
+        const halfstep::ParamTensor& p = s.pieces.tensors[k];
+        const auto t = static_cast<std::size_t>(s.pieces.source[k]);
+        const auto at = static_cast<std::size_t>(s.pieces.offset[k]);
+        for (const halfstep::SlotLayout& slot : halfstep::slot_layouts(config_, p)) {
+          const void* from = halfstep::slot_pointer(p, slot.slot);
+          if (from == nullptr) continue;
+          std::memcpy(whole[t].slot[static_cast<int>(slot.slot)].data() + at * slot.element_bytes, from,
+                      static_cast<std::size_t>(p.numel) * slot.element_bytes);
+        }
+        const halfstep::MomentBlocks b = halfstep::moment_blocks(config_, p);
+        if (b.quantized) {
+          const auto n = static_cast<std::size_t>(b.blocks) * sizeof(float);
+          std::memcpy(whole[t].exp_avg_scale.data() + b.first, p.exp_avg_scale, n);
+          std::memcpy(whole[t].exp_avg_sq_scale.data() + b.first, p.exp_avg_sq_scale, n);
+        }
+      }
+    }
+    halfstep::FusedAdamW gathered(tensors, config_, halfstep::Backend::reference);
+    gathered.load_state(shards_[0].opt->save_state());
+    halfstep::save_checkpoint(gathered, names, path, options);
   }
 
   void load(const std::vector<std::string>& names, const std::string& path) override {

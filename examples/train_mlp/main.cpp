@@ -271,10 +271,6 @@ Options parse(int argc, char** argv) {
     usage_error("--moments block8 runs with --ranks on the CPU engine (--cpu) only: the NCCL ranks' collectives do "
                 "not pad ranges cut where blocks start yet");
   }
-  if (o.moments == "block8" && o.ranks > 0 && (!o.checkpoint.empty() || !o.resume.empty())) {
-    usage_error("--moments block8 with --ranks does not run with --checkpoint or --resume yet (the ranks' shards are "
-                "not gathered into whole codes and scales)");
-  }
   if (!o.checkpoint.empty()) check_checkpoint_path(o.checkpoint);
   // A trace, or its description, on the file another option reads or writes would corrupt that
   // checkpoint, or be replaced by it at the end.

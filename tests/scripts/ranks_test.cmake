@@ -6,9 +6,8 @@
 #   3. A checkpoint written by 3 ranks at step 100, resumed on 2: the same rows again.
 # EXTRA (a list) is added to every run: --moments;bf16 checks the same with bf16 moments, rounded
 # stochastically from bits keyed by element, not by rank; --moments;block8 with block8 moments,
-# the ranges cut where blocks start. NO_RESUME=ON leaves out step 3 (for formats checkpoints do not
-# hold yet).
-# Run as: cmake -DTRAIN=... -DWORK_DIR=... [-DEXTRA=...] [-DNO_RESUME=ON] -P ranks_test.cmake
+# the ranges cut where blocks start.
+# Run as: cmake -DTRAIN=... -DWORK_DIR=... [-DEXTRA=...] -P ranks_test.cmake
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 function(train)
@@ -48,10 +47,6 @@ foreach(n 1 2 3)
     message(FATAL_ERROR "--ranks ${n} --replicate-batch: the trace differs from the unsharded run's")
   endif()
 endforeach()
-if(NO_RESUME)
-  message("every rank's trace identical; replicated runs on 1, 2 and 3 ranks identical to the unsharded run")
-  return()
-endif()
 set(resumed "${WORK_DIR}/resumed.csv")
 train(--steps 100 --ranks 3 --replicate-batch --trace "${resumed}" --checkpoint "${WORK_DIR}/ranks3.safetensors")
 train(--steps 200 --ranks 2 --replicate-batch --trace "${resumed}" --resume "${WORK_DIR}/ranks3.safetensors")
