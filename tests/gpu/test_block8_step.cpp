@@ -24,11 +24,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "block8_pieces.hpp"
 #include "gpu_support.hpp"
+#include "halfstep/distributed.hpp"
 #include "halfstep/fused_adamw.hpp"
 #include "halfstep/state.hpp"
 
@@ -271,5 +273,184 @@ TEST_CASE("gpu block8 moments: a skipped step writes nothing", "[gpu][block8]") 
         CHECK(now.model == before[u].model);
       }
     }
+  }
+}
+
+namespace {
+
+// One rank's flat device buffers for [begin, end) of a block8 layout, and its shard.
+struct DeviceRank {
+  std::int64_t begin = 0, end = 0;
+  DeviceArray<float> master, ms, vs;
+  DeviceArray<std::int16_t> rest;
+  DeviceArray<std::uint16_t> grad, model;
+  DeviceArray<std::uint8_t> m, v;
+  Shard shard;
+
+  DeviceRank(const std::vector<ParamTensor>& layout, const StepConfig& c, std::int64_t b, std::int64_t e)
+      : begin(b), end(e), master(static_cast<std::size_t>(e - b), 0), ms(scales(layout, c, b, e), 0),
+        vs(scales(layout, c, b, e), 0), rest(static_cast<std::size_t>(e - b), 0),
+        grad(static_cast<std::size_t>(e - b), 0), model(static_cast<std::size_t>(e - b), 0),
+        m(static_cast<std::size_t>(shard_state(layout, b, e, c).exp_avg_bytes), 0),
+        v(static_cast<std::size_t>(shard_state(layout, b, e, c).exp_avg_sq_bytes), 0) {
+    ParamTensor flat;
+    flat.numel = e - b;
+    flat.master = c.state.master == MasterFormat::f32 ? static_cast<void*>(master.ptr)
+                  : c.state.master == MasterFormat::bf16_remainder ? static_cast<void*>(rest.ptr) : nullptr;
+    flat.grad = grad.ptr;
+    flat.model = model.ptr;
+    flat.exp_avg = m.ptr;
+    flat.exp_avg_sq = v.ptr;
+    flat.exp_avg_scale = ms.ptr;
+    flat.exp_avg_sq_scale = vs.ptr;
+    shard = halfstep::shard(layout, b, e, flat, c);
+  }
+  static std::size_t scales(const std::vector<ParamTensor>& layout, const StepConfig& c, std::int64_t b, std::int64_t e) {
+    return static_cast<std::size_t>(shard_state(layout, b, e, c).scales);
+  }
+  // Where piece k's moments start in the flat moment buffers.
+  std::size_t moment_at(std::size_t k) const {
+    return static_cast<std::size_t>(static_cast<const std::uint8_t*>(shard.tensors[k].exp_avg) - m.ptr);
+  }
+  std::size_t scale_at(std::size_t k) const {
+    return static_cast<std::size_t>(shard.tensors[k].exp_avg_scale - ms.ptr);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("gpu block8 moments: ranks on shard()'s layout step bitwise like one unsharded step", "[gpu][block8][distributed]") {
+  for (const Setup s : {Setup{DType::bf16, MasterFormat::f32, Rounding::stochastic},
+                        Setup{DType::bf16, MasterFormat::none, Rounding::nearest}}) {
+    CAPTURE(master_format_name(s.master), rounding_name(s.rounding));
+    StepConfig c = config_of(s);
+    c.groups.resize(1);
+    std::mt19937_64 gen(4321);
+    // Rows of 300 (two blocks a row), a wide tensor, one row, rows of 50, rows of 20 (wide).
+    std::vector<Piece> whole = make_pieces(c, {{9000, 300, 0, 9000, 0}, {1000, 0, 0, 1000, 0}, {42000, 0, 0, 42000, 0},
+                                               {5000, 50, 0, 5000, 0}, {6000, 20, 0, 6000, 0}}, gen);
+    const std::vector<Piece> initial = whole;
+    std::vector<ParamTensor> layout;
+    for (const Piece& p : whole) layout.push_back(shape_of(p));
+    std::vector<DevicePiece> dev;
+    std::vector<ParamTensor> views;
+    for (const Piece& p : whole) dev.emplace_back(p);
+    for (std::size_t t = 0; t < whole.size(); ++t) {
+      dev[t].upload(whole[t]);
+      views.push_back(dev[t].view(whole[t], c));
+    }
+    FusedAdamW one(views, c);
+    constexpr int kRanks = 3;
+    std::vector<std::unique_ptr<DeviceRank>> ranks;
+    std::vector<std::unique_ptr<FusedAdamW>> opts;
+    for (int r = 0; r < kRanks; ++r) {
+      const auto [b, e] = even_shard(layout, c, kRanks, r);
+      ranks.push_back(std::make_unique<DeviceRank>(layout, c, b, e));
+      DeviceRank& me = *ranks.back();
+      // The initial state: the whole tensors' weights, moments at zero in each piece's format.
+      std::vector<float> master(static_cast<std::size_t>(e - b));
+      std::vector<std::int16_t> rest(master.size());
+      std::vector<std::uint16_t> model(master.size());
+      std::vector<std::uint8_t> m(me.m.n, 0), v(me.v.n, 0);
+      std::size_t into = 0;
+      for (std::size_t k = 0; k < me.shard.tensors.size(); ++k) {
+        const ParamTensor& p = me.shard.tensors[k];
+        const Piece& w = initial[static_cast<std::size_t>(me.shard.source[k])];
+        const auto at = static_cast<std::size_t>(p.offset), n = static_cast<std::size_t>(p.numel);
+        std::copy_n(&w.master[at], n, &master[into]);
+        std::copy_n(&w.rest[at], n, &rest[into]);
+        std::copy_n(&w.model[at], n, &model[into]);
+        if (moment_blocks(c, p).quantized) {
+          std::copy_n(&w.m8[at], n, &m[me.moment_at(k)]);
+          std::copy_n(&w.v8[at], n, &v[me.moment_at(k)]);
+        }
+        into += n;
+      }
+      me.master.upload(master);
+      me.rest.upload(rest);
+      me.model.upload(model);
+      me.m.upload(m);
+      me.v.upload(v);
+      me.ms.upload(std::vector<float>(me.ms.n, 0.0f));
+      me.vs.upload(std::vector<float>(me.vs.n, 0.0f));
+      opts.push_back(std::make_unique<FusedAdamW>(me.shard.tensors, c, Distributed{r, {}}));
+    }
+    for (int step = 0; step < 3; ++step) {
+      fill_grads(whole, c.grad_dtype, one.loss_scale(), gen);
+      for (std::size_t t = 0; t < whole.size(); ++t) dev[t].grad.upload(whole[t].grad);
+      one.step();
+      StepTotals total{};
+      for (int r = 0; r < kRanks; ++r) {
+        DeviceRank& me = *ranks[static_cast<std::size_t>(r)];
+        std::vector<std::uint16_t> g(static_cast<std::size_t>(me.end - me.begin));
+        std::size_t into = 0;
+        for (std::size_t k = 0; k < me.shard.tensors.size(); ++k) {
+          const ParamTensor& p = me.shard.tensors[k];
+          std::copy_n(&whole[static_cast<std::size_t>(me.shard.source[k])].grad[static_cast<std::size_t>(p.offset)],
+                      static_cast<std::size_t>(p.numel), &g[into]);
+          into += static_cast<std::size_t>(p.numel);
+        }
+        me.grad.upload(g);
+        opts[static_cast<std::size_t>(r)]->step_local();
+        StepTotals record{};
+        GPU_CHECK(cudaMemcpy(&record, opts[static_cast<std::size_t>(r)]->device_totals(), sizeof record,
+                             cudaMemcpyDeviceToHost));
+        combine(total, record);
+      }
+      for (int r = 0; r < kRanks; ++r) {
+        GPU_CHECK(cudaMemcpy(opts[static_cast<std::size_t>(r)]->device_totals(), &total, sizeof total,
+                             cudaMemcpyHostToDevice));
+        GPU_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+        opts[static_cast<std::size_t>(r)]->step_finish();
+      }
+      GPU_CHECK(cudaDeviceSynchronize());
+      const StepReport want = one.last_report();
+      REQUIRE(want.outcome == Outcome::applied);
+      for (int r = 0; r < kRanks; ++r) {
+        const StepReport got = opts[static_cast<std::size_t>(r)]->last_report();
+        CHECK(got.outcome == want.outcome);
+        CHECK(got.grad_norm == want.grad_norm);
+        CHECK(got.clip_coef == want.clip_coef);
+      }
+    }
+    // Every piece's weights, codes and scales (or fp32 moments) as the unsharded step's, bit for bit.
+    for (std::size_t t = 0; t < whole.size(); ++t) dev[t].download(whole[t]);
+    for (int r = 0; r < kRanks; ++r) {
+      DeviceRank& me = *ranks[static_cast<std::size_t>(r)];
+      std::vector<float> master, ms, vs;
+      std::vector<std::int16_t> rest;
+      std::vector<std::uint16_t> model;
+      std::vector<std::uint8_t> m, v;
+      me.master.download(master);
+      me.rest.download(rest);
+      me.model.download(model);
+      me.m.download(m);
+      me.v.download(v);
+      me.ms.download(ms);
+      me.vs.download(vs);
+      std::size_t into = 0;
+      for (std::size_t k = 0; k < me.shard.tensors.size(); ++k) {
+        const ParamTensor& p = me.shard.tensors[k];
+        const Piece& w = whole[static_cast<std::size_t>(me.shard.source[k])];
+        const auto at = static_cast<std::size_t>(p.offset), n = static_cast<std::size_t>(p.numel);
+        CAPTURE(r, k, p.offset, p.numel);
+        CHECK(std::memcmp(&model[into], &w.model[at], 2 * n) == 0);
+        if (s.master == MasterFormat::f32) CHECK(std::memcmp(&master[into], &w.master[at], 4 * n) == 0);
+        const MomentBlocks b = moment_blocks(c, p);
+        const std::size_t mat = me.moment_at(k);
+        if (b.quantized) {
+          CHECK(std::memcmp(&m[mat], &w.m8[at], n) == 0);
+          CHECK(std::memcmp(&v[mat], &w.v8[at], n) == 0);
+          const auto first = static_cast<std::size_t>(b.first), blocks = static_cast<std::size_t>(b.blocks);
+          CHECK(std::memcmp(&ms[me.scale_at(k)], &w.ms[first], 4 * blocks) == 0);
+          CHECK(std::memcmp(&vs[me.scale_at(k)], &w.vs[first], 4 * blocks) == 0);
+        } else {
+          CHECK(std::memcmp(&m[mat], &w.m32[at], 4 * n) == 0);
+          CHECK(std::memcmp(&v[mat], &w.v32[at], 4 * n) == 0);
+        }
+        into += n;
+      }
+    }
+    CHECK(whole[0].ms[0] != 0.0f);  // the steps wrote the state
   }
 }
