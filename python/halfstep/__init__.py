@@ -11,12 +11,15 @@ import math as _math
 
 from . import _lib
 from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID_ARGUMENT, ERROR_USAGE, F16, F32,
-                   MASTER_BF16_REMAINDER, MASTER_F32, MASTER_NONE, MOMENT_BF16, MOMENT_F32, ROUND_NEAREST,
+                   MASTER_BF16_REMAINDER, MASTER_F32, MASTER_NONE, MOMENT_BF16, MOMENT_BLOCK8, MOMENT_F32,
+                   ROUND_NEAREST,
                    ROUND_STOCHASTIC, SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE, SKIPPED_OVERFLOW, SKIPPED_SPIKE,
-                   TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group, HalfstepError, Report, State, StateBytes, Tensor,
+                   TOTALS_MAX_WORDS, TOTALS_SUM_WORDS, Config, Group, HalfstepError, MomentBlocks, Report, State,
+                   StateBytes, Tensor,
                    check, lib, library_path)
 
 __all__ = ["Optimizer", "HalfstepError", "version", "has_nccl", "config", "group", "report_dict", "state_bytes",
+           "moment_blocks",
            "SCALER_OPTIONS", "SPIKE_OPTIONS", "F16", "BF16", "F32", "BACKEND_CUDA", "BACKEND_REFERENCE",
            "TOTALS_SUM_WORDS", "TOTALS_MAX_WORDS"]
 
@@ -48,7 +51,7 @@ _BACKEND_NAMES = {"cuda": BACKEND_CUDA, "reference": BACKEND_REFERENCE, BACKEND_
                   BACKEND_REFERENCE: BACKEND_REFERENCE}
 # The state formats (halfstep::StateFormat) by their library names.
 MASTER_FORMATS = {"f32": MASTER_F32, "bf16_remainder": MASTER_BF16_REMAINDER, "none": MASTER_NONE}
-MOMENT_FORMATS = {"f32": MOMENT_F32, "bf16": MOMENT_BF16}
+MOMENT_FORMATS = {"f32": MOMENT_F32, "bf16": MOMENT_BF16, "block8": MOMENT_BLOCK8}
 ROUNDINGS = {"nearest": ROUND_NEAREST, "stochastic": ROUND_STOCHASTIC}
 
 
@@ -69,7 +72,8 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
     reference step) (or BACKEND_CUDA, BACKEND_REFERENCE). The state formats: `master` "f32",
     "bf16_remainder" (bfloat16 models: the model copy and an int16 remainder are the master) or
     "none" (bfloat16 models: the model copy is the weight, updated with `rounding`), `exp_avg` and
-    `exp_avg_sq` "f32" or "bf16", `rounding` of bf16 moments (and weights without a master)
+    `exp_avg_sq` "f32", "bf16" or (both) "block8" (8-bit codes and a scale per block of 256
+    elements of a row: moment_blocks), `rounding` of bf16 moments (and weights without a master)
     "stochastic" or "nearest", and `seed`, the key of stochastic rounding's bits (an integer in [0, 2^64)).
     Unknown names raise ValueError."""
     if dtype not in _DTYPE_NAMES:
@@ -178,6 +182,22 @@ def state_bytes(cfg, model_copy=True):
     return {name: getattr(out, name) for name, _ in StateBytes._fields_}
 
 
+def moment_blocks(cfg, numel, whole_numel=0, row=0, offset=0):
+    """How a tensor of `numel` elements (a piece at `offset` of a whole tensor of `whole_numel`, 0:
+    numel, in rows of `row` elements, 0: one row) holds its moments under `cfg`: a dict with
+    quantized (block8 codes and scales; False: fp32 moments, and every other format), blocks (the
+    scales each moment's buffer holds) and first (the piece's first block in the whole tensor)."""
+    t = Tensor()
+    lib.halfstep_tensor_init(_C.byref(t))
+    t.numel = _int64(numel, "numel")
+    t.whole_numel = _int64(whole_numel, "whole_numel")
+    t.row = _int64(row, "row")
+    t.offset = _int64(offset, "offset")
+    out = MomentBlocks()
+    check(lib.halfstep_moment_blocks_of(_C.byref(cfg), _C.byref(t), _C.byref(out)))
+    return dict(quantized=bool(out.quantized), blocks=out.blocks, first=out.first)
+
+
 def report_dict(r):
     """A Report as a dict, outcome and reason by name."""
     d = {name: getattr(r, name) for name, _ in Report._fields_}
@@ -192,7 +212,9 @@ class Optimizer:
     addresses master, grad, exp_avg, exp_avg_sq, model (may be 0), numel, group and optionally
     duplicate (another rank counts the tensor in the norm), tensor_id (stochastic rounding's id of
     the whole tensor, the same on every rank: 1 + its index in the model) and offset (the index of
-    the buffer's first element in the whole tensor); `groups` a list of `group(...)`; `cfg` a
+    the buffer's first element in the whole tensor), and under block8 moments whole_numel, row and
+    the scales' addresses exp_avg_scale and exp_avg_sq_scale (moment_blocks); `groups` a list of
+    `group(...)`; `cfg` a
     `config(...)`. With `rank` (and NCCL communicators `comms`, ncclComm_t addresses) it is one rank
     of a multi-rank step."""
 
@@ -203,7 +225,8 @@ class Optimizer:
                 t = dict(zip(("master", "grad", "exp_avg", "exp_avg_sq", "model", "numel", "group"), t))
             arr[i] = Tensor(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], t.get("model") or 0,
                             int(t["numel"]), int(t.get("group", 0)), 1 if t.get("duplicate", False) else 0,
-                            int(t.get("tensor_id", 0)), 0, int(t.get("offset", 0)))
+                            int(t.get("tensor_id", 0)), 0, int(t.get("offset", 0)), int(t.get("whole_numel", 0)),
+                            int(t.get("row", 0)), t.get("exp_avg_scale") or 0, t.get("exp_avg_sq_scale") or 0)
         garr = (Group * max(len(groups), 1))(*groups)
         carr = (_C.c_void_p * max(len(comms), 1))(*comms)
         handle = _C.c_void_p()

@@ -78,7 +78,9 @@ def choose(param_dtype, store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype,
     moments = {}
     for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
         if dtype not in MOMENT_DTYPES:
-            raise ValueError("%s must be torch.float32 or torch.bfloat16, got %r" % (name, dtype))
+            raise ValueError("%s must be torch.float32 or torch.bfloat16, got %r%s" % (
+                name, dtype, " (block8 codes: halfstep.Optimizer and the C++ API hold them, with a scale per block; "
+                "FusedAdamW does not yet)" if dtype is torch.uint8 else ""))
         moments[name] = MOMENT_DTYPES[dtype]
     if rounding not in ("stochastic", "nearest"):
         raise ValueError("rounding must be 'stochastic' or 'nearest', got %r" % (rounding,))

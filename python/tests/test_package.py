@@ -117,3 +117,43 @@ def test_raw_optimizer_steps_and_names_the_bad_tensor():
     opt.close()
     with pytest.raises(halfstep.HalfstepError, match="closed"):
         opt.step()
+
+
+def test_raw_optimizer_holds_block8_moments_and_pieces_cut_at_blocks_step_as_the_whole():
+    cfg = halfstep.config("float16", "reference", scaler={"init_scale": 1024.0}, exp_avg="block8", exp_avg_sq="block8")
+    assert (cfg.exp_avg_format, cfg.exp_avg_sq_format) == (halfstep.MOMENT_BLOCK8, halfstep.MOMENT_BLOCK8)
+    assert halfstep.moment_blocks(cfg, 5000) == dict(quantized=True, blocks=20, first=0)
+    assert halfstep.moment_blocks(cfg, 256, whole_numel=42000, row=300, offset=15000) == dict(quantized=True, blocks=1,
+                                                                                              first=100)
+    assert halfstep.moment_blocks(cfg, 4095)["quantized"] is False  # small tensors keep fp32 moments
+    assert halfstep.moment_blocks(halfstep.config("float16", "reference"), 5000)["quantized"] is False
+    assert halfstep.state_bytes(cfg)["state"] == 4 + 2  # a code a moment; the scales are apart
+    n, cut = 6000, 2560  # one row; a block starts at 2560 = 10 * 256
+    grads = [((i * 7919) % 1000 - 500) * 1e-4 * 1024 for i in range(n)]
+
+    def run(pieces):
+        """Steps the tensor as `pieces` ((offset, numel) each) three times; its masters, codes and scales."""
+        keep, tensors = [], []
+        for offset, numel in pieces:
+            blocks = halfstep.moment_blocks(cfg, numel, whole_numel=n, offset=offset)["blocks"]
+            master = (ctypes.c_float * numel)(*[0.5 - 1e-4 * (offset + i) for i in range(numel)])
+            grad = _f16_buffer(grads[offset:offset + numel])
+            m, v = (ctypes.c_uint8 * numel)(), (ctypes.c_uint8 * numel)()
+            ms, vs = (ctypes.c_float * blocks)(), (ctypes.c_float * blocks)()
+            keep.append((master, grad, m, v, ms, vs))
+            tensors.append(dict(master=ctypes.addressof(master), grad=ctypes.addressof(grad), exp_avg=ctypes.addressof(m),
+                                exp_avg_sq=ctypes.addressof(v), model=0, numel=numel, group=0, tensor_id=1,
+                                offset=offset, whole_numel=n, exp_avg_scale=ctypes.addressof(ms),
+                                exp_avg_sq_scale=ctypes.addressof(vs)))
+        opt = halfstep.Optimizer(tensors, [halfstep.group(lr=0.01)], cfg)
+        for _ in range(3):
+            opt.step()
+            assert opt.last_report()["outcome"] == "applied"
+        opt.close()
+        return [b"".join(bytes(k[j]) for k in keep) for j in (0, 2, 3, 4, 5)]
+
+    whole = run([(0, n)])
+    assert run([(0, cut), (cut, n - cut)]) == whole
+    assert whole[3] != bytes(len(whole[3]))  # the steps wrote the scales
+    with pytest.raises(halfstep.HalfstepError, match="block"):
+        run([(0, cut - 60), (cut - 60, n - cut + 60)])  # a cut inside a block
