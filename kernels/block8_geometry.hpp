@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "halfstep/config.hpp"
 #include "halfstep/step.hpp"
@@ -74,5 +75,12 @@ inline std::int64_t whole_numel_of(const ParamTensor& t) { return t.whole_numel 
 
 /// The geometry of the whole tensor `t` is (a piece of).
 inline Block8Geometry block8_geometry_of(const ParamTensor& t) { return block8_geometry(whole_numel_of(t), t.row); }
+
+#if !defined(__CUDACC__)
+/// The rules of a tensor's shape under `config` (numel, offset, whole_numel, row; under block8 a
+/// piece with whole_numel, inside its tensor, a row that divides it, cut where blocks start), as
+/// validate applies them: throws halfstep::Error naming `what` (e.g. "tensors[3]") and the rule.
+void check_block_shape(const std::string& what, const ParamTensor& p, const StepConfig& config);
+#endif
 
 }  // namespace halfstep::detail

@@ -13,6 +13,8 @@
 #include "halfstep/safetensors.hpp"
 #include "halfstep/version.hpp"
 
+#include "block8_geometry.hpp"
+
 struct halfstep_optimizer {
   halfstep::FusedAdamW opt;
 };
@@ -204,7 +206,10 @@ halfstep_status halfstep_moment_blocks_of(const halfstep_config* config, const h
     require(config != nullptr && tensor != nullptr && out != nullptr, "config, tensor and out must not be NULL");
     halfstep_group group;
     halfstep_group_init(&group);
-    const halfstep::MomentBlocks b = halfstep::moment_blocks(step_config(&group, 1, *config), param_tensor(*tensor));
+    const halfstep::StepConfig c = step_config(&group, 1, *config);
+    const halfstep::ParamTensor t = param_tensor(*tensor);
+    halfstep::detail::check_block_shape("tensor", t, c);  // the shape rules halfstep_create applies
+    const halfstep::MomentBlocks b = halfstep::moment_blocks(c, t);
     *out = halfstep_moment_blocks{b.quantized ? 1 : 0, 0, b.blocks, b.first};
   });
 }

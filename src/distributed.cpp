@@ -118,8 +118,11 @@ ShardState walk_shard(const std::vector<ParamTensor>& layout, std::int64_t begin
                           ") inside a block of its block8 moments: cut where blocks start (block_cut, even_shard "
                           "with the layout)");
         }
+        const std::int64_t element = b.quantized ? 1 : 4;
+        detail::require(p.numel <= (std::numeric_limits<std::int64_t>::max() - 16 - sizes.exp_avg_bytes) / element,
+                        "the shard [", begin, ", ", end, ")'s moments hold more than 2^63 - 1 bytes");
         moments = sizes.exp_avg_bytes = round_up16(sizes.exp_avg_bytes);
-        const std::int64_t bytes = p.numel * (b.quantized ? 1 : 4);
+        const std::int64_t bytes = p.numel * element;
         sizes.exp_avg_bytes += bytes;
         sizes.exp_avg_sq_bytes = sizes.exp_avg_bytes;
         scales = sizes.scales;

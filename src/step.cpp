@@ -127,21 +127,10 @@ void check_scales(std::vector<Span>& spans, std::size_t t, const ParamTensor& p,
 // The whole tensor's shape and the block scales of tensor t under MomentFormat::block8 (its
 // scale pointers must be null under every other format, and for tensors that keep wide moments).
 void check_blocks(std::vector<Span>& spans, std::size_t t, const ParamTensor& p, const StepConfig& config) {
-  require(p.whole_numel >= 0, "tensors[", t, "].whole_numel must be >= 0 (0: the buffer is the whole tensor), got ",
-          p.whole_numel);
-  require(p.row >= 0, "tensors[", t, "].row must be >= 0 (0: one row), got ", p.row);
-  const bool block8 = config.state.exp_avg == MomentFormat::block8;
-  if (block8) {
-    require(p.offset == 0 || p.whole_numel != 0, "tensors[", t, "].whole_numel must be set for a piece of a tensor ",
-            "(offset ", p.offset, " > 0) under block8 moments: the blocks follow the whole tensor's shape");
-    const std::int64_t whole = detail::whole_numel_of(p);
-    require(p.offset <= whole - p.numel, "tensors[", t, "]: offset + numel = ", p.offset, " + ", p.numel,
-            " must be <= whole_numel = ", whole);
-    require(p.row == 0 || (whole % p.row == 0), "tensors[", t, "].row = ", p.row,
-            " must divide the whole tensor's ", whole, " elements");
-  }
+  detail::check_block_shape(detail::concat("tensors[", t, "]"), p, config);
   const MomentBlocks b = moment_blocks(config, p);
   if (!b.quantized) {
+    const bool block8 = config.state.exp_avg == MomentFormat::block8;
     for (const auto& [name, scale] : {std::pair{"exp_avg_scale", p.exp_avg_scale}, std::pair{"exp_avg_sq_scale", p.exp_avg_sq_scale}}) {
       require(scale == nullptr, "tensors[", t, "].", name, " must be null: ",
               block8 ? "the tensor keeps fp32 moments (fewer than 4096 elements, or rows shorter than 32)"
@@ -149,16 +138,38 @@ void check_blocks(std::vector<Span>& spans, std::size_t t, const ParamTensor& p,
     }
     return;
   }
-  const detail::Block8Geometry g = detail::block8_geometry_of(p);
-  for (const std::int64_t at : {p.offset, p.offset + p.numel}) {
-    require(g.starts_block(at), "tensors[", t, "]: a piece of a tensor with block8 moments must start and end where ",
-            "blocks do (256 elements of a row of ", g.row, ", a row's last block holding the rest), but element ", at,
-            " of the whole tensor is inside block ", g.block_of(at));
-  }
   check_scales(spans, t, p, b);
 }
 
 }  // namespace
+
+namespace detail {
+
+void check_block_shape(const std::string& what, const ParamTensor& p, const StepConfig& config) {
+  require(p.numel >= 0, what, ".numel must be >= 0, got ", p.numel);
+  require(p.offset >= 0 && p.offset <= INT64_MAX - p.numel, what,
+          ".offset must be >= 0 and offset + numel must fit an int64, got offset ", p.offset);
+  require(p.whole_numel >= 0, what, ".whole_numel must be >= 0 (0: the buffer is the whole tensor), got ",
+          p.whole_numel);
+  require(p.row >= 0, what, ".row must be >= 0 (0: one row), got ", p.row);
+  if (config.state.exp_avg != MomentFormat::block8) return;
+  require(p.offset == 0 || p.whole_numel != 0, what, ".whole_numel must be set for a piece of a tensor ",
+          "(offset ", p.offset, " > 0) under block8 moments: the blocks follow the whole tensor's shape");
+  const std::int64_t whole = whole_numel_of(p);
+  require(p.offset <= whole - p.numel, what, ": offset + numel = ", p.offset, " + ", p.numel,
+          " must be <= whole_numel = ", whole);
+  require(p.row == 0 || (whole % p.row == 0), what, ".row = ", p.row, " must divide the whole tensor's ", whole,
+          " elements");
+  const Block8Geometry g = block8_geometry_of(p);
+  if (!g.quantized) return;
+  for (const std::int64_t at : {p.offset, p.offset + p.numel}) {
+    require(g.starts_block(at), what, ": a piece of a tensor with block8 moments must start and end where ",
+            "blocks do (256 elements of a row of ", g.row, ", a row's last block holding the rest), but element ", at,
+            " of the whole tensor is inside block ", g.block_of(at));
+  }
+}
+
+}  // namespace detail
 
 void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config) {
   config.validate();
@@ -173,9 +184,7 @@ void validate(const std::vector<ParamTensor>& tensors, const StepConfig& config)
     // Every buffer's end must be an address: numel * 4 bytes may not wrap past 2^64.
     require(static_cast<std::uint64_t>(p.numel) <= (UINT64_MAX >> 3), "tensors[", t,
             "].numel is too large, got ", p.numel);
-    require(p.offset >= 0 && p.offset <= INT64_MAX - p.numel, "tensors[", t,
-            "].offset must be >= 0 and offset + numel must fit an int64, got offset ", p.offset);
-    check_blocks(spans, t, p, config);
+    check_blocks(spans, t, p, config);  // offset, whole_numel, row and block8's rules
     for (const SlotLayout& s : slot_layouts(config, p)) {  // a null gradient: none this step
       check_buffer(spans, t, s.name, slot_pointer(p, s.slot), p.numel, s.element_bytes, s.nullable,
                    needed_because(config, s.slot));

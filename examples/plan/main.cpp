@@ -284,6 +284,9 @@ int main(int argc, char** argv) {
     return fail("--ranks must be a whole number up to 2^31 - 1 and no larger than --params");
   }
 
+  if (row != 0 && moments != "block8" && !formats) {
+    return fail("--row says where block8's blocks lie: give it with --moments block8 or --formats");
+  }
   if (row != std::floor(row)) return fail("--row must be a whole number of elements");
   if (row > params / tensors) return fail("--row must be no longer than a tensor (--params / --tensors)");
 

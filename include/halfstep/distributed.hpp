@@ -146,9 +146,11 @@ HALFSTEP_API std::int64_t block_cut(const std::vector<ParamTensor>& layout, cons
 /// ranks·chunk; the last ranks' ranges are shorter (or empty).
 HALFSTEP_API std::pair<std::int64_t, std::int64_t> even_shard(std::int64_t numel, std::int32_t ranks, std::int32_t rank);
 /// even_shard over the flat space of `layout`, each cut moved to block_cut: under
-/// MomentFormat::block8 the ranges start and end where blocks do (so a range may be up to a
-/// block, 255 elements, longer or shorter than ceil(numel / ranks): collectives over equal
-/// counts pad every rank's range to the longest); for every other format, even_shard's ranges.
+/// MomentFormat::block8 the ranges start and end where blocks do, so a range may be up to a
+/// block (255 elements) longer or shorter than ceil(numel / ranks) and no longer starts at
+/// rank · count. Collectives over equal counts (ncclReduceScatter, ncclAllGather) then need a
+/// flat buffer that holds rank r's range at r · L (L the longest range), each padded to L — not
+/// the contiguous flat space. For every other format, even_shard's ranges.
 HALFSTEP_API std::pair<std::int64_t, std::int64_t> even_shard(const std::vector<ParamTensor>& layout,
                                                               const StepConfig& config, std::int32_t ranks,
                                                               std::int32_t rank);

@@ -252,13 +252,15 @@ HALFSTEP_C_API float* halfstep_device_lr(halfstep_optimizer* opt, int32_t group)
  *  (`model_copy` nonzero) or without a model copy; a config a step would refuse is refused here. */
 HALFSTEP_C_API halfstep_status halfstep_state_bytes_of(const halfstep_config* config, int32_t model_copy,
                                                        halfstep_state_bytes* out);
-/** A group's hyperparameters as the next step uses them (its learning rate as the step reads it,
- *  its step_offset): what set_group, set_lr, device_lr and load_state left; waits. */
 /** How `tensor` (its numel, offset, whole_numel and row) holds its moments under `config`
  *  (halfstep::moment_blocks): under HALFSTEP_MOMENT_BLOCK8, whether it is quantized and how many
- *  scales each moment's buffer holds. The buffers' pointers are not read. */
+ *  scales each moment's buffer holds. The buffers' pointers are not read; a shape halfstep_create
+ *  would refuse (a piece without whole_numel, past its tensor's end, a row that does not divide
+ *  it, a cut inside a block) is refused here, by name. */
 HALFSTEP_C_API halfstep_status halfstep_moment_blocks_of(const halfstep_config* config, const halfstep_tensor* tensor,
                                                          halfstep_moment_blocks* out);
+/** A group's hyperparameters as the next step uses them (its learning rate as the step reads it,
+ *  its step_offset): what set_group, set_lr, device_lr and load_state left; waits. */
 HALFSTEP_C_API halfstep_status halfstep_get_group(halfstep_optimizer* opt, int32_t group, halfstep_group* out);
 /** Each group's learning rate as the next step reads it into out[0 .. n_groups); waits. */
 HALFSTEP_C_API halfstep_status halfstep_learning_rates(halfstep_optimizer* opt, float* out, int32_t n_groups);

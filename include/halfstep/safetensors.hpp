@@ -48,7 +48,7 @@ HALFSTEP_API void save_checkpoint(FusedAdamW& opt, const std::vector<std::string
 /// scales in the stored tensor's blocks: exp_avg_sq squared) into fp32 exactly, into bf16 to
 /// nearest even, into block8 codes block by block as a step encodes them, to nearest. Every tensor
 /// is matched by name (any shape with the right number of elements and the right dtype is
-/// accepted) and the optimizer state against `opt`'s configuration before anything is written; a
+/// accepted, but for block8 codes, whose last dimension is their tensor's row) and the optimizer state against `opt`'s configuration before anything is written; a
 /// truncated file, a missing or mismatched tensor or a state from another configuration throws
 /// halfstep::Error (ErrorKind::corrupt_state) naming it, and `opt` is unchanged. Model copies
 /// missing from the file are recomputed from the masters. Returns the caller's metadata.

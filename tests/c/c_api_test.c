@@ -92,6 +92,23 @@ int halfstep_c_api_exercise(const char* dir) {
     t.whole_numel = 0, t.row = 0, t.offset = 0, t.numel = 4095; /* too small: fp32 moments */
     CHECK(107, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_OK && mb.quantized == 0 && mb.blocks == 0);
     CHECK(108, halfstep_moment_blocks_of(&q, NULL, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT);
+    /* Shapes halfstep_create refuses are refused here too, by name. */
+    t.whole_numel = 9000, t.row = 300, t.offset = 100, t.numel = 256; /* a cut inside a block */
+    CHECK(111, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                   strstr(halfstep_last_error(), "must start and end where blocks do") != NULL);
+    t.offset = 9000, t.numel = 300; /* past the tensor's end */
+    CHECK(112, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                   strstr(halfstep_last_error(), "must be <= whole_numel") != NULL);
+    t.whole_numel = 0, t.row = 0, t.offset = 256, t.numel = 256; /* a piece without its whole */
+    CHECK(113, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                   strstr(halfstep_last_error(), "whole_numel must be set") != NULL);
+    t.offset = 0, t.numel = -5;
+    CHECK(114, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                   strstr(halfstep_last_error(), "numel must be >= 0") != NULL);
+    t.whole_numel = 9000, t.row = 7000, t.numel = 9000; /* a row that does not divide it */
+    CHECK(115, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                   strstr(halfstep_last_error(), "must divide") != NULL);
+    t.whole_numel = 0, t.row = 0, t.numel = 4095;
     q.exp_avg_sq_format = 3;
     CHECK(109, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
                    strstr(halfstep_last_error(), "HALFSTEP_MOMENT_BLOCK8") != NULL);

@@ -121,6 +121,7 @@ TEST_CASE("block8 checkpoints: codes and scales stored in their rows resume bit 
       const MomentBlocks mb = moment_blocks(c, p);
       CAPTURE(k, p.offset, p.numel);
       CHECK(std::memcmp(p.master, &w.master[at], 4 * n) == 0);
+      CHECK(std::memcmp(p.model, &w.model[at], 2 * n) == 0);
       if (mb.quantized) {
         CHECK(std::memcmp(p.exp_avg, &w.m8[at], n) == 0);
         CHECK(std::memcmp(p.exp_avg_sq, &w.v8[at], n) == 0);
@@ -128,6 +129,7 @@ TEST_CASE("block8 checkpoints: codes and scales stored in their rows resume bit 
         CHECK(std::memcmp(p.exp_avg_sq_scale, &w.vs[static_cast<std::size_t>(mb.first)], 4 * static_cast<std::size_t>(mb.blocks)) == 0);
       } else {
         CHECK(std::memcmp(p.exp_avg, &w.m32[at], 4 * n) == 0);
+        CHECK(std::memcmp(p.exp_avg_sq, &w.v32[at], 4 * n) == 0);
       }
     }
     // A piece's own save is refused: a checkpoint holds codes whole.
@@ -164,6 +166,7 @@ TEST_CASE("block8 checkpoints convert to and from fp32 moments on load", "[block
     }
   }
   CHECK(f[1].m32 == a[1].m32);  // the wide tensor's fp32 moments as they are
+  CHECK(f[1].v32 == a[1].v32);
   CHECK(f[0].master == a[0].master);
 
   // fp32 moments into block8: each block encoded to nearest, as a step encodes (sqrt for exp_avg_sq).
@@ -198,6 +201,69 @@ TEST_CASE("block8 checkpoints convert to and from fp32 moments on load", "[block
   for (std::size_t k = 0; k < a[2].ms.size(); ++k) {
     CHECK(b[2].ms[k] <= a[2].ms[k]);
     CHECK(b[2].ms[k] >= 0.99f * a[2].ms[k]);
+  }
+}
+
+TEST_CASE("block8 checkpoints load into shards of another geometry as its blocks encode the decoded values",
+          "[block8][safetensors]") {
+  const StepConfig c = config_with(MomentFormat::block8);
+  std::mt19937_64 gen(12);
+  std::vector<Piece> a = make_pieces(c, {{9000, 300, 0, 9000, 0}}, gen);
+  FusedAdamW one(views_of(a, c), c, Backend::reference);
+  train(one, a, 3, gen);
+  const std::string path = "halfstep_test_block8_regeometry.safetensors";
+  save_checkpoint(one, {"w"}, path);
+  // The values the file holds, decoded in its rows of 300.
+  const detail::Block8Geometry stored = detail::block8_geometry(9000, 300);
+  std::vector<float> m(9000), v(9000);
+  for (std::size_t i = 0; i < 9000; ++i) {
+    const auto k = static_cast<std::size_t>(stored.block_of(static_cast<std::int64_t>(i)));
+    m[i] = static_cast<float>(detail::decode8(detail::kSignedCodec8, a[0].m8[i], a[0].ms[k]));
+    const double r = detail::decode8(detail::kUnsignedCodec8, a[0].v8[i], a[0].vs[k]);
+    v[i] = static_cast<float>(r * r);
+  }
+  // Loaded into two ranks' shards of the same tensor in rows of 600 (three blocks a row: 256, 256, 88).
+  std::vector<ParamTensor> layout{shape_of(a[0])};
+  layout[0].row = 600;
+  const detail::Block8Geometry mine = detail::block8_geometry(9000, 600);
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    const auto [begin, end] = even_shard(layout, c, 2, r);
+    const ShardState sizes = shard_state(layout, begin, end, c);
+    std::vector<float> master(static_cast<std::size_t>(end - begin)), ms(static_cast<std::size_t>(sizes.scales)), vs(ms.size());
+    std::vector<std::uint16_t> grad(master.size()), model(master.size());
+    std::vector<unsigned char> mc(static_cast<std::size_t>(sizes.exp_avg_bytes)), vc(mc.size());
+    ParamTensor flat;
+    flat.numel = end - begin;
+    flat.master = master.data();
+    flat.grad = grad.data();
+    flat.model = model.data();
+    flat.exp_avg = mc.data();
+    flat.exp_avg_sq = vc.data();
+    flat.exp_avg_scale = ms.data();
+    flat.exp_avg_sq_scale = vs.data();
+    const Shard s = shard(layout, begin, end, flat, c);
+    FusedAdamW rank(s.tensors, c, Backend::reference);
+    load_checkpoint(rank, s, {"w"}, path);
+    REQUIRE(s.tensors.size() == 1);
+    const MomentBlocks b = moment_blocks(c, s.tensors[0]);
+    for (std::int64_t k = 0; k < b.blocks; ++k) {
+      const std::int64_t start = mine.block_start(b.first + k), n = mine.block_size(b.first + k);
+      float root[detail::kBlock8];
+      for (std::int64_t j = 0; j < n; ++j) root[j] = static_cast<float>(std::sqrt(static_cast<double>(v[static_cast<std::size_t>(start + j)])));
+      std::uint8_t want_m[detail::kBlock8], want_v[detail::kBlock8];
+      float want_ms = 0, want_vs = 0;
+      REQUIRE(detail::encode_block8(detail::kSignedCodec8, &m[static_cast<std::size_t>(start)], static_cast<int>(n), false,
+                                    nullptr, 0, false, want_m, want_ms));
+      REQUIRE(detail::encode_block8(detail::kUnsignedCodec8, root, static_cast<int>(n), false, nullptr, 0, true, want_v, want_vs));
+      const auto at = static_cast<std::size_t>(start - begin);
+      CAPTURE(k);
+      CHECK(std::memcmp(want_m, &mc[at], static_cast<std::size_t>(n)) == 0);
+      CHECK(std::memcmp(want_v, &vc[at], static_cast<std::size_t>(n)) == 0);
+      CHECK(want_ms == ms[static_cast<std::size_t>(k)]);
+      CHECK(want_vs == vs[static_cast<std::size_t>(k)]);
+    }
+    CHECK(std::memcmp(master.data(), &a[0].master[static_cast<std::size_t>(begin)], 4 * master.size()) == 0);
   }
 }
 
