@@ -280,7 +280,7 @@ std::string file_bytes(const FusedAdamW& opt, const Part& p, const Values& v) {
     std::copy_n(reinterpret_cast<const char*>(v.bits.data()), out.size(), out.data());
     return out;
   }
-  if (!v.codes.empty() || (p.codes && is_moment(p.role))) return std::string(v.codes.begin(), v.codes.end());
+  if (p.codes && is_moment(p.role)) return std::string(v.codes.begin(), v.codes.end());
   const bool bf16 = std::strcmp(stored_dtype(opt, p), "BF16") == 0;
   out.resize((bf16 ? 2 : 4) * v.f.size());
   for (std::size_t i = 0; i < v.f.size(); ++i) {

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "halfstep/distributed.hpp"
 #include "halfstep/formats.hpp"
 #include "halfstep/state.hpp"
 #include "halfstep/step.hpp"
@@ -143,5 +144,46 @@ inline double weight(const Piece& p, const StepConfig& c, std::size_t i) {
   if (c.state.master == MasterFormat::none) return halfstep::from_bits16(DType::bf16, p.model[i]);
   return float_of(halfstep::join_master(p.model[i], p.rest[i]));
 }
+
+/// One rank's flat host buffers for [begin, end) of `layout` under `c` (the moments and scales
+/// sized by shard_state, every byte zero) and the shard cut out of them. Not copyable: the shard
+/// points into the buffers.
+struct HostFlat {
+  std::int64_t begin = 0, end = 0;
+  std::vector<float> master;
+  std::vector<std::int16_t> rest;
+  std::vector<std::uint16_t> grad, model;
+  std::vector<unsigned char> m, v;  // each piece's codes or fp32 moments, at 16-byte starts
+  std::vector<float> ms, vs;
+  halfstep::Shard shard;
+
+  HostFlat(const std::vector<ParamTensor>& layout, const StepConfig& c, std::int64_t b, std::int64_t e)
+      : begin(b), end(e) {
+    const halfstep::ShardState sizes = halfstep::shard_state(layout, b, e, c);
+    const auto n = static_cast<std::size_t>(e - b);
+    master.assign(n, 0.0f);
+    rest.assign(n, 0);
+    grad.assign(n, 0);
+    model.assign(n, 0);
+    m.assign(static_cast<std::size_t>(sizes.exp_avg_bytes), 0);
+    v.assign(static_cast<std::size_t>(sizes.exp_avg_sq_bytes), 0);
+    ms.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
+    vs.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
+    ParamTensor flat;
+    flat.numel = e - b;
+    flat.master = c.state.master == MasterFormat::f32              ? static_cast<void*>(master.data())
+                  : c.state.master == MasterFormat::bf16_remainder ? static_cast<void*>(rest.data())
+                                                                   : nullptr;
+    flat.grad = grad.data();
+    flat.model = model.data();
+    flat.exp_avg = m.data();
+    flat.exp_avg_sq = v.data();
+    flat.exp_avg_scale = ms.data();
+    flat.exp_avg_sq_scale = vs.data();
+    shard = halfstep::shard(layout, b, e, flat, c);
+  }
+  HostFlat(const HostFlat&) = delete;
+  HostFlat& operator=(const HostFlat&) = delete;
+};
 
 }  // namespace halfstep_test

@@ -98,20 +98,8 @@ TEST_CASE("block8 checkpoints: codes and scales stored in their rows resume bit 
   for (int r = 0; r < 3; ++r) {
     CAPTURE(r);
     const auto [begin, end] = even_shard(layout, c, 3, r);
-    const ShardState sizes = shard_state(layout, begin, end, c);
-    std::vector<float> master(static_cast<std::size_t>(end - begin)), ms(static_cast<std::size_t>(sizes.scales)), vs(ms.size());
-    std::vector<std::uint16_t> grad(master.size()), model(master.size());
-    std::vector<unsigned char> m(static_cast<std::size_t>(sizes.exp_avg_bytes)), v(m.size());
-    ParamTensor flat;
-    flat.numel = end - begin;
-    flat.master = master.data();
-    flat.grad = grad.data();
-    flat.model = model.data();
-    flat.exp_avg = m.data();
-    flat.exp_avg_sq = v.data();
-    flat.exp_avg_scale = ms.data();
-    flat.exp_avg_sq_scale = vs.data();
-    const Shard s = shard(layout, begin, end, flat, c);
+    const HostFlat flat(layout, c, begin, end);
+    const Shard& s = flat.shard;
     FusedAdamW mine(s.tensors, c, Backend::reference);
     load_checkpoint(mine, s, kNames, path);
     for (std::size_t k = 0; k < s.tensors.size(); ++k) {
@@ -229,20 +217,12 @@ TEST_CASE("block8 checkpoints load into shards of another geometry as its blocks
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r);
     const auto [begin, end] = even_shard(layout, c, 2, r);
-    const ShardState sizes = shard_state(layout, begin, end, c);
-    std::vector<float> master(static_cast<std::size_t>(end - begin)), ms(static_cast<std::size_t>(sizes.scales)), vs(ms.size());
-    std::vector<std::uint16_t> grad(master.size()), model(master.size());
-    std::vector<unsigned char> mc(static_cast<std::size_t>(sizes.exp_avg_bytes)), vc(mc.size());
-    ParamTensor flat;
-    flat.numel = end - begin;
-    flat.master = master.data();
-    flat.grad = grad.data();
-    flat.model = model.data();
-    flat.exp_avg = mc.data();
-    flat.exp_avg_sq = vc.data();
-    flat.exp_avg_scale = ms.data();
-    flat.exp_avg_sq_scale = vs.data();
-    const Shard s = shard(layout, begin, end, flat, c);
+    const HostFlat flat(layout, c, begin, end);
+    const Shard& s = flat.shard;
+    const std::vector<unsigned char>& mc = flat.m;
+    const std::vector<unsigned char>& vc = flat.v;
+    const std::vector<float>& ms = flat.ms;
+    const std::vector<float>& vs = flat.vs;
     FusedAdamW rank(s.tensors, c, Backend::reference);
     load_checkpoint(rank, s, {"w"}, path);
     REQUIRE(s.tensors.size() == 1);
@@ -263,7 +243,7 @@ TEST_CASE("block8 checkpoints load into shards of another geometry as its blocks
       CHECK(want_ms == ms[static_cast<std::size_t>(k)]);
       CHECK(want_vs == vs[static_cast<std::size_t>(k)]);
     }
-    CHECK(std::memcmp(master.data(), &a[0].master[static_cast<std::size_t>(begin)], 4 * master.size()) == 0);
+    CHECK(std::memcmp(flat.master.data(), &a[0].master[static_cast<std::size_t>(begin)], 4 * flat.master.size()) == 0);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <memory>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -48,50 +49,28 @@ std::vector<ParamTensor> layout_of(const std::vector<Piece>& whole) {
   return out;
 }
 
-// One rank's flat buffers for [begin, end) and the shard cut out of them.
-struct RankBuffers {
-  std::int64_t begin = 0, end = 0;
-  std::vector<float> master;
-  std::vector<std::int16_t> rest;
-  std::vector<std::uint16_t> grad, model;
-  std::vector<float> m, v;  // moment bytes, in floats (16-byte pieces inside a 4-byte-aligned base)
-  std::vector<float> ms, vs;
-  Shard shard;
+// One rank's flat buffers with the whole tensors' initial weights and zero moments in each
+// piece's format, and its reports.
+struct RankBuffers : HostFlat {
   std::vector<StepReport> reports;
+  RankBuffers(const std::vector<Piece>& whole, const std::vector<ParamTensor>& layout, const StepConfig& c,
+              std::int64_t b, std::int64_t e)
+      : HostFlat(layout, c, b, e) {
+    fill(whole, c);
+  }
+  void fill(const std::vector<Piece>& whole, const StepConfig& c);
 };
 
-void make_rank(RankBuffers& r, const std::vector<Piece>& whole, const std::vector<ParamTensor>& layout,
-               const StepConfig& c) {
-  const ShardState sizes = shard_state(layout, r.begin, r.end, c);
-  const auto n = static_cast<std::size_t>(r.end - r.begin);
-  r.master.assign(n, 0.0f);
-  r.rest.assign(n, 0);
-  r.grad.assign(n, 0);
-  r.model.assign(n, 0);
-  r.m.assign(static_cast<std::size_t>((sizes.exp_avg_bytes + 3) / 4), 0.0f);
-  r.v.assign(static_cast<std::size_t>((sizes.exp_avg_sq_bytes + 3) / 4), 0.0f);
-  r.ms.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
-  r.vs.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
-  ParamTensor flat;
-  flat.numel = r.end - r.begin;
-  flat.master = c.state.master == MasterFormat::f32 ? static_cast<void*>(r.master.data())
-                : c.state.master == MasterFormat::bf16_remainder ? static_cast<void*>(r.rest.data()) : nullptr;
-  flat.grad = r.grad.data();
-  flat.model = r.model.data();
-  flat.exp_avg = r.m.data();
-  flat.exp_avg_sq = r.v.data();
-  flat.exp_avg_scale = r.ms.data();
-  flat.exp_avg_sq_scale = r.vs.data();
-  r.shard = shard(layout, r.begin, r.end, flat, c);
+void RankBuffers::fill(const std::vector<Piece>& whole, const StepConfig& c) {
   // The initial state: the whole tensors' weights, and moments at zero in each piece's format.
   std::int64_t into = 0;
-  for (std::size_t k = 0; k < r.shard.tensors.size(); ++k) {
-    const ParamTensor& p = r.shard.tensors[k];
-    const Piece& w = whole[static_cast<std::size_t>(r.shard.source[k])];
+  for (std::size_t k = 0; k < shard.tensors.size(); ++k) {
+    const ParamTensor& p = shard.tensors[k];
+    const Piece& w = whole[static_cast<std::size_t>(shard.source[k])];
     const auto at = static_cast<std::size_t>(p.offset), cnt = static_cast<std::size_t>(p.numel);
-    std::memcpy(&r.master[static_cast<std::size_t>(into)], &w.master[at], cnt * sizeof(float));
-    std::memcpy(&r.rest[static_cast<std::size_t>(into)], &w.rest[at], cnt * sizeof(std::int16_t));
-    std::memcpy(&r.model[static_cast<std::size_t>(into)], &w.model[at], cnt * sizeof(std::uint16_t));
+    std::memcpy(&master[static_cast<std::size_t>(into)], &w.master[at], cnt * sizeof(float));
+    std::memcpy(&rest[static_cast<std::size_t>(into)], &w.rest[at], cnt * sizeof(std::int16_t));
+    std::memcpy(&model[static_cast<std::size_t>(into)], &w.model[at], cnt * sizeof(std::uint16_t));
     if (moment_blocks(c, p).quantized) {
       std::memcpy(p.exp_avg, &w.m8[at], cnt);
       std::memcpy(p.exp_avg_sq, &w.v8[at], cnt);
@@ -135,15 +114,15 @@ TEST_CASE("block8 moments: ranks sharded where blocks start step bitwise like on
 
     for (const int n : {1, 2, 3, 5}) {
       CAPTURE(n);
-      std::vector<RankBuffers> ranks(static_cast<std::size_t>(n));
+      std::vector<std::unique_ptr<RankBuffers>> owned;
       for (int r = 0; r < n; ++r) {
-        RankBuffers& me = ranks[static_cast<std::size_t>(r)];
-        std::tie(me.begin, me.end) = even_shard(layout, c, n, r);
-        make_rank(me, initial, layout, c);
+        const auto [b, e] = even_shard(layout, c, n, r);
+        owned.push_back(std::make_unique<RankBuffers>(initial, layout, c, b, e));
       }
+      auto rank = [&](int r) -> RankBuffers& { return *owned[static_cast<std::size_t>(r)]; };
       HostAllReduce reduce(n, 77 + static_cast<std::uint64_t>(n));
       run_ranks(n, [&](int r) {
-        RankBuffers& me = ranks[static_cast<std::size_t>(r)];
+        RankBuffers& me = rank(r);
         FusedAdamW opt(me.shard.tensors, c, Distributed{r, {}}, Backend::reference);
         for (int s = 0; s < kSteps; ++s) {
           std::int64_t into = 0;
@@ -161,16 +140,16 @@ TEST_CASE("block8 moments: ranks sharded where blocks start step bitwise like on
         }
       });
       // The ranges cover the space in order, every cut where a block starts.
-      CHECK(ranks.front().begin == 0);
-      for (int r = 1; r < n; ++r) CHECK(ranks[static_cast<std::size_t>(r)].begin == ranks[static_cast<std::size_t>(r) - 1].end);
+      CHECK(rank(0).begin == 0);
+      for (int r = 1; r < n; ++r) CHECK(rank(r).begin == rank(r - 1).end);
       std::int64_t total = 0;
       for (const Piece& p : whole) total += p.numel;
-      CHECK(ranks.back().end == total);
+      CHECK(rank(n - 1).end == total);
       // Every report, and every piece's weights, codes and scales, as the unsharded rank's.
       for (int r = 0; r < n; ++r) {
-        const RankBuffers& me = ranks[static_cast<std::size_t>(r)];
-        auto map = [&](std::int32_t rank, std::int32_t local) {
-          return ranks[static_cast<std::size_t>(rank)].shard.source[static_cast<std::size_t>(local)];
+        const RankBuffers& me = rank(r);
+        auto map = [&](std::int32_t on, std::int32_t local) {
+          return rank(on).shard.source[static_cast<std::size_t>(local)];
         };
         for (int s = 0; s < kSteps; ++s) {
           CAPTURE(r, s);
