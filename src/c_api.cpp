@@ -214,6 +214,30 @@ halfstep_status halfstep_moment_blocks_of(const halfstep_config* config, const h
   });
 }
 
+namespace {
+halfstep::Slot moment_slot(int32_t moment) {
+  require(moment == HALFSTEP_EXP_AVG || moment == HALFSTEP_EXP_AVG_SQ,
+          "moment must be HALFSTEP_EXP_AVG (0) or HALFSTEP_EXP_AVG_SQ (1)");
+  return moment == HALFSTEP_EXP_AVG ? halfstep::Slot::exp_avg : halfstep::Slot::exp_avg_sq;
+}
+}  // namespace
+
+halfstep_status halfstep_encode_moment(const halfstep_tensor* tensor, int32_t moment, const float* values,
+                                       uint8_t* codes, float* scales) {
+  return guarded([&] {
+    require(tensor != nullptr, "tensor must not be NULL");
+    halfstep::encode_moment(param_tensor(*tensor), moment_slot(moment), values, codes, scales);
+  });
+}
+
+halfstep_status halfstep_decode_moment(const halfstep_tensor* tensor, int32_t moment, const uint8_t* codes,
+                                       const float* scales, float* values) {
+  return guarded([&] {
+    require(tensor != nullptr, "tensor must not be NULL");
+    halfstep::decode_moment(param_tensor(*tensor), moment_slot(moment), codes, scales, values);
+  });
+}
+
 halfstep_status halfstep_create(const halfstep_tensor* tensors, int64_t n_tensors,
                                 const halfstep_group* groups, int32_t n_groups,
                                 const halfstep_config* config, halfstep_optimizer** out) {

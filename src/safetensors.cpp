@@ -544,35 +544,14 @@ void read_codes(const FusedAdamW& opt, const Part& p, const detail::SafetensorsE
     v.scales = std::move(sv.f);
     return;
   }
-  const detail::Codec8& codec = p.role == Role::exp_avg ? detail::kSignedCodec8 : detail::kUnsignedCodec8;
+  ParamTensor in_file;  // the part as a piece of the file's tensor, in the file's blocks
+  in_file.numel = p.numel;
+  in_file.whole_numel = numel;
+  in_file.row = row;
+  in_file.offset = p.offset;
   v.f.resize(static_cast<std::size_t>(p.numel));
-  for (std::int64_t i = 0; i < p.numel; ++i) {
-    const auto code = static_cast<std::uint8_t>(raw[static_cast<std::size_t>(i)]);
-    const double x = detail::decode8(codec, code, sv.f[static_cast<std::size_t>(stored.block_of(p.offset + i) - first)]);
-    v.f[static_cast<std::size_t>(i)] = static_cast<float>(p.role == Role::exp_avg ? x : x * x);
-  }
-}
-
-// A moment's values as block8 codes and scales in tensor t's blocks (a piece holds whole blocks):
-// exp_avg to nearest, exp_avg_sq as its square root to nearest, a positive root never as 0 — how
-// a step encodes them, without the random bits (a conversion rounds once, to nearest, as fp32
-// into bf16 does).
-void encode_codes(const StepConfig& config, const ParamTensor& t, Role role, const std::vector<float>& x, Values& v) {
-  const MomentBlocks b = moment_blocks(config, t);
-  const detail::Block8Geometry g = detail::block8_geometry_of(t);
-  const bool sq = role == Role::exp_avg_sq;
-  v.codes.resize(x.size());
-  v.scales.resize(static_cast<std::size_t>(b.blocks));
-  std::size_t i = 0;
-  for (std::int64_t k = 0; k < b.blocks; ++k) {
-    const auto n = static_cast<std::size_t>(g.block_size(b.first + k));
-    float in[detail::kBlock8];
-    for (std::size_t j = 0; j < n; ++j) in[j] = sq ? static_cast<float>(std::sqrt(static_cast<double>(x[i + j]))) : x[i + j];
-    const bool ok = detail::encode_block8(sq ? detail::kUnsignedCodec8 : detail::kSignedCodec8, in, static_cast<int>(n),
-                                          false, nullptr, 0, sq, v.codes.data() + i, v.scales[static_cast<std::size_t>(k)]);
-    require(ok, "load_checkpoint: a block of '", static_cast<int>(role), "' does not encode");  // finite, checked: it does
-    i += n;
-  }
+  decode_moment(in_file, p.role == Role::exp_avg ? Slot::exp_avg : Slot::exp_avg_sq,
+                reinterpret_cast<const std::uint8_t*>(raw.data()), sv.f.data(), v.f.data());
 }
 
 std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector<Part>& parts, const std::string& path) {
@@ -652,7 +631,12 @@ std::map<std::string, std::string> load_parts(FusedAdamW& opt, const std::vector
     if (is_scale(p.role)) continue;  // written with the codes
     if (p.codes) {  // block8 codes and scales: as stored, or encoded from the values
       Values& v = values[k];
-      if (v.codes.empty()) encode_codes(config, t, p.role, v.f, v);
+      if (v.codes.empty()) {  // to nearest, as a conversion of fp32 into bf16 rounds
+        v.codes.resize(n);
+        v.scales.resize(static_cast<std::size_t>(moment_blocks(config, t).blocks));
+        encode_moment(t, p.role == Role::exp_avg ? Slot::exp_avg : Slot::exp_avg_sq, v.f.data(), v.codes.data(),
+                      v.scales.data());
+      }
       const bool m = p.role == Role::exp_avg;
       backend.copy_in(m ? t.exp_avg : t.exp_avg_sq, v.codes.data(), n);
       backend.copy_in(m ? t.exp_avg_scale : t.exp_avg_sq_scale, v.scales.data(), 4 * v.scales.size());

@@ -259,6 +259,19 @@ HALFSTEP_C_API halfstep_status halfstep_state_bytes_of(const halfstep_config* co
  *  it, a cut inside a block) is refused here, by name. */
 HALFSTEP_C_API halfstep_status halfstep_moment_blocks_of(const halfstep_config* config, const halfstep_tensor* tensor,
                                                          halfstep_moment_blocks* out);
+/** Which moment halfstep_encode_moment and halfstep_decode_moment convert. */
+enum { HALFSTEP_EXP_AVG = 0, HALFSTEP_EXP_AVG_SQ = 1 };
+/** Host-memory moment values (`tensor`->numel floats, finite; exp_avg_sq's >= 0) as the block8
+ *  codes (numel bytes) and scales (halfstep_moment_blocks_of's blocks floats) of `tensor` (its
+ *  numel, offset, whole_numel and row; a shape with blocks; the buffers' pointers are not read):
+ *  to nearest, as a checkpoint conversion stores them (halfstep::encode_moment). `moment` is
+ *  HALFSTEP_EXP_AVG or HALFSTEP_EXP_AVG_SQ. Nothing is written on error. */
+HALFSTEP_C_API halfstep_status halfstep_encode_moment(const halfstep_tensor* tensor, int32_t moment, const float* values,
+                                                      uint8_t* codes, float* scales);
+/** The values host-memory block8 codes and scales (finite, >= 0) of `tensor` hold
+ *  (halfstep::decode_moment: exp_avg_sq's squared). Nothing is written on error. */
+HALFSTEP_C_API halfstep_status halfstep_decode_moment(const halfstep_tensor* tensor, int32_t moment, const uint8_t* codes,
+                                                      const float* scales, float* values);
 /** A group's hyperparameters as the next step uses them (its learning rate as the step reads it,
  *  its step_offset): what set_group, set_lr, device_lr and load_state left; waits. */
 HALFSTEP_C_API halfstep_status halfstep_get_group(halfstep_optimizer* opt, int32_t group, halfstep_group* out);

@@ -113,6 +113,22 @@ struct MomentBlocks {
 /// quantized tensor must start and end where blocks do (validate checks it).
 HALFSTEP_API MomentBlocks moment_blocks(const StepConfig& config, const ParamTensor& tensor);
 
+/// Moment values as the block8 codes and scales of `tensor` (a tensor whose shape has blocks under
+/// MomentFormat::block8, or a piece of one cut where blocks start: moment_blocks), as a conversion stores them: to nearest,
+/// exp_avg_sq as its square root (a positive root never the map's 0) — a step's encoding without
+/// its random bits. `slot` is Slot::exp_avg or Slot::exp_avg_sq; `values` holds tensor.numel
+/// finite values (exp_avg_sq's >= 0) in host memory; `codes` receives numel bytes and `scales`
+/// moment_blocks(...).blocks floats. Throws halfstep::Error naming the rule, before
+/// writing anything.
+HALFSTEP_API void encode_moment(const ParamTensor& tensor, Slot slot, const float* values, std::uint8_t* codes,
+                                float* scales);
+/// The values block8 codes and scales hold (the inverse of encode_moment up to its rounding):
+/// map[code] · scale, exp_avg_sq's squared in double and rounded once to fp32. Here `tensor` may be
+/// any piece of a tensor with blocks, cut anywhere: `scales` holds those of the blocks its elements
+/// lie in, from its first element's, each finite and >= 0. Throws halfstep::Error naming the rule, before writing anything.
+HALFSTEP_API void decode_moment(const ParamTensor& tensor, Slot slot, const std::uint8_t* codes, const float* scales,
+                                float* values);
+
 /// A tensor's buffer for `slot`.
 HALFSTEP_API const void* slot_pointer(const ParamTensor& tensor, Slot slot);
 /// Sets a tensor's buffer for `slot` (the gradient's is const: it is read only).

@@ -108,6 +108,27 @@ int halfstep_c_api_exercise(const char* dir) {
     t.whole_numel = 9000, t.row = 7000, t.numel = 9000; /* a row that does not divide it */
     CHECK(115, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
                    strstr(halfstep_last_error(), "must divide") != NULL);
+    { /* Moments to and from block8 codes: a 4096-element tensor in rows of 256 (16 blocks). */
+      static float values[4096], back[4096], scales[16], kept[16];
+      static uint8_t codes[4096];
+      int k, close = 1;
+      for (k = 0; k < 4096; ++k) values[k] = (float)((k * 37) % 101) * 1e-4f;
+      t.whole_numel = 0, t.row = 256, t.offset = 0, t.numel = 4096;
+      CHECK(116, halfstep_encode_moment(&t, HALFSTEP_EXP_AVG_SQ, values, codes, scales) == HALFSTEP_OK &&
+                     scales[0] == sqrtf(100e-4f));
+      CHECK(117, halfstep_decode_moment(&t, HALFSTEP_EXP_AVG_SQ, codes, scales, back) == HALFSTEP_OK);
+      /* To nearest, a root is off by at most half the map's widest cell (the top decade's, 0.9/128 of
+       * the block's largest root, at most sqrt(100e-4)), plus fp32 rounding. */
+      for (k = 0; k < 4096; ++k) close &= fabsf(sqrtf(back[k]) - sqrtf(values[k])) <= (0.45f / 128.0f + 1e-6f) * 0.1f;
+      CHECK(118, close);
+      memcpy(kept, scales, sizeof scales);
+      values[5] = -1.0f; /* a negative exp_avg_sq: refused, nothing written */
+      CHECK(119, halfstep_encode_moment(&t, HALFSTEP_EXP_AVG_SQ, values, codes, scales) ==
+                     HALFSTEP_ERROR_INVALID_ARGUMENT && strstr(halfstep_last_error(), "negative") != NULL &&
+                     memcmp(kept, scales, sizeof scales) == 0);
+      CHECK(120, halfstep_encode_moment(&t, 2, values, codes, scales) == HALFSTEP_ERROR_INVALID_ARGUMENT &&
+                     strstr(halfstep_last_error(), "HALFSTEP_EXP_AVG") != NULL);
+    }
     t.whole_numel = 0, t.row = 0, t.numel = 4095;
     q.exp_avg_sq_format = 3;
     CHECK(109, halfstep_moment_blocks_of(&q, &t, &mb) == HALFSTEP_ERROR_INVALID_ARGUMENT &&

@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "block8.hpp"
+#include "block8_geometry.hpp"
+#include "halfstep/state.hpp"
+#include "halfstep/step.hpp"
 #include "state_codec.hpp"
 #include "step_math.hpp"
 
@@ -437,4 +440,105 @@ TEST_CASE("8-bit block step: AdamW on the decoded state, exp_avg to nearest, sqr
     check_composed<MasterCodec<MasterFormat::f32, DType::f16>, false>(true, n);
     check_composed<MasterCodec<MasterFormat::bf16_remainder, DType::bf16>, true>(true, n);
   }
+}
+
+TEST_CASE("8-bit moment conversion: encode_moment is the codec's encoding block by block, decode its inverse; refusals", "[block8]") {
+  std::mt19937 gen(77);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // A tensor of 20 rows of 300: two blocks a row (256 + 44).
+  const std::int64_t rows = 20, row = 300, n = rows * row;
+  std::vector<float> m(n), v(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    m[i] = normal(gen) * std::exp(normal(gen) * 3.0f) * 1e-3f;
+    v[i] = m[i] * m[i] * std::exp(normal(gen));
+  }
+  for (std::int64_t i = 256; i < 300; ++i) m[i] = v[i] = 0.0f;  // a block of zeros
+  halfstep::ParamTensor t;
+  t.numel = n;
+  t.row = row;
+  std::vector<std::uint8_t> mc(n), vc(n);
+  std::vector<float> ms(rows * 2), vs(rows * 2);
+  halfstep::encode_moment(t, halfstep::Slot::exp_avg, m.data(), mc.data(), ms.data());
+  halfstep::encode_moment(t, halfstep::Slot::exp_avg_sq, v.data(), vc.data(), vs.data());
+  const Block8Geometry g = block8_geometry(n, row);
+  for (std::int64_t b = 0; b < g.blocks; ++b) {
+    const std::int64_t at = g.block_start(b), size = g.block_size(b);
+    std::vector<float> root(static_cast<std::size_t>(size));
+    for (std::int64_t j = 0; j < size; ++j) root[j] = static_cast<float>(std::sqrt(static_cast<double>(v[at + j])));
+    std::uint8_t want_m[kBlock8], want_v[kBlock8];
+    float scale_m = -1.0f, scale_v = -1.0f;
+    REQUIRE(encode_block8(kSignedCodec8, m.data() + at, static_cast<int>(size), false, nullptr, 0, false, want_m, scale_m));
+    REQUIRE(encode_block8(kUnsignedCodec8, root.data(), static_cast<int>(size), false, nullptr, 0, true, want_v, scale_v));
+    CHECK(ms[b] == scale_m);
+    CHECK(vs[b] == scale_v);
+    CHECK(std::equal(want_m, want_m + size, mc.begin() + at));
+    CHECK(std::equal(want_v, want_v + size, vc.begin() + at));
+  }
+  CHECK(ms[1] == 0.0f);  // the block of zeros: scale 0, the maps' zeros
+  CHECK(std::all_of(mc.begin() + 256, mc.begin() + 300, [](std::uint8_t c) { return c == kSignedZero8; }));
+
+  // Decoding is map[code] · scale (exp_avg_sq's squared in double, rounded once): checked exactly
+  // against the map, element by element; that encoding picks the nearest code is the codec's own
+  // test above.
+  std::vector<float> md(n), vd(n);
+  halfstep::decode_moment(t, halfstep::Slot::exp_avg, mc.data(), ms.data(), md.data());
+  halfstep::decode_moment(t, halfstep::Slot::exp_avg_sq, vc.data(), vs.data(), vd.data());
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t b = g.block_of(i);
+    CHECK(md[i] == kSignedCodec8.map.value[mc[i]] * ms[b]);
+    const double r = static_cast<double>(kUnsignedCodec8.map.value[vc[i]] * vs[b]);
+    CHECK(vd[i] == static_cast<float>(r * r));
+  }
+  // A block's largest magnitude is exact (it encodes to ±1, or -0.99296875 · absmax when negative).
+  for (std::int64_t b = 0; b < g.blocks; ++b) {
+    const std::int64_t at = g.block_start(b), size = g.block_size(b);
+    const auto top = std::max_element(m.begin() + at, m.begin() + at + size,
+                                      [](float x, float y) { return std::fabs(x) < std::fabs(y); });
+    const float got = md[top - m.begin()];
+    CHECK((*top >= 0.0f ? got == *top : got == -0.99296875f * -*top));
+  }
+
+  // A piece cut anywhere decodes as the whole does (its scales from its first element's block).
+  halfstep::ParamTensor piece = t;
+  piece.offset = 1000;
+  piece.numel = 777;
+  piece.whole_numel = n;
+  const std::int64_t first = g.block_of(piece.offset);
+  std::vector<float> pd(777);
+  halfstep::decode_moment(piece, halfstep::Slot::exp_avg_sq, vc.data() + 1000, vs.data() + first, pd.data());
+  CHECK(std::equal(pd.begin(), pd.end(), vd.begin() + 1000));
+
+  // Refusals, by name, with nothing written.
+  std::vector<std::uint8_t> untouched(n, 9);
+  auto refused = [&](const halfstep::ParamTensor& bad, halfstep::Slot slot, const std::vector<float>& x, const char* rule) {
+    std::vector<std::uint8_t> codes = untouched;
+    std::vector<float> scales(rows * 2, 5.0f);
+    CHECK_THROWS_WITH(halfstep::encode_moment(bad, slot, x.data(), codes.data(), scales.data()), Catch::Contains(rule));
+    CHECK(codes == untouched);
+    CHECK(std::all_of(scales.begin(), scales.end(), [](float s) { return s == 5.0f; }));
+  };
+  std::vector<float> bad_m = m, bad_v = v;
+  bad_m[n - 1] = NAN;
+  bad_v[0] = -1.0f;
+  refused(t, halfstep::Slot::exp_avg, bad_m, "values[5999] is not finite");
+  refused(t, halfstep::Slot::exp_avg_sq, bad_v, "values[0] is negative");
+  refused(t, halfstep::Slot::master, m, "slot must be exp_avg or exp_avg_sq");
+  halfstep::ParamTensor small;
+  small.numel = 4095;
+  refused(small, halfstep::Slot::exp_avg, m, "has no blocks");
+  halfstep::ParamTensor short_rows = t;
+  short_rows.row = 30;
+  refused(short_rows, halfstep::Slot::exp_avg, m, "has no blocks");
+  halfstep::ParamTensor inside = piece;  // encoding cuts where blocks start
+  refused(inside, halfstep::Slot::exp_avg, m, "inside block");
+  std::vector<float> out(n, 3.0f);
+  std::vector<float> bad_scales = vs;
+  bad_scales[3] = INFINITY;
+  CHECK_THROWS_WITH(halfstep::decode_moment(t, halfstep::Slot::exp_avg_sq, vc.data(), bad_scales.data(), out.data()),
+                    Catch::Contains("scales[3] must be finite and >= 0"));
+  halfstep::ParamTensor past = piece;
+  past.offset = n - 10;
+  CHECK_THROWS_WITH(halfstep::decode_moment(past, halfstep::Slot::exp_avg, mc.data(), ms.data(), out.data()),
+                    Catch::Contains("past"));
+  CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == 3.0f; }));
 }
