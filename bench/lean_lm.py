@@ -11,7 +11,8 @@ Runs, the same seed (weights, batches) unless noted:
   per state format: fp32 masters and moments (the default), remainders (store_param_remainders),
   bf16 moments rounded stochastically and to nearest, and all lean (remainders + bf16 moments,
   stochastic); fp32 and all lean again on seeds 1 and 2, to tell a cost from noise; no master (bf16
-  weights rounded stochastically, bf16 moments) on seeds 0, 1 and 2, and rounded to nearest.
+  weights rounded stochastically, bf16 moments) on seeds 0, 1 and 2, and rounded to nearest; 8-bit
+  block-wise moments with an fp32 master and without one, on seeds 0, 1 and 2.
 
 Each run records the training loss every step and the loss on held-out files at the end (the same
 batches for every run). Writes RESULTS_DIR/lean_lm.json; with matplotlib, the curves in
@@ -127,6 +128,15 @@ def runs(torch):
     for s in (1, 2):
         out["halfstep no master, seed %d" % s] = {"kind": "halfstep", "options": no_master, "seed": s}
     out["halfstep no master, nearest"] = {"kind": "halfstep", "options": dict(no_master, rounding="nearest")}
+    # 8-bit block-wise moments (exp_avg_dtype=torch.uint8), with an fp32 master and without one
+    # (the leanest state: 2 B of bf16 weights and about 2 B of moments a parameter), on the same
+    # three seeds.
+    u8 = torch.uint8
+    block8 = dict(exp_avg_dtype=u8, exp_avg_sq_dtype=u8)
+    for s in (0, 1, 2):
+        out["halfstep 8-bit moments, seed %d" % s] = {"kind": "halfstep", "options": block8, "seed": s}
+        out["halfstep no master + 8-bit moments, seed %d" % s] = {
+            "kind": "halfstep", "options": dict(block8, master_weight_dtype=None), "seed": s}
     return out
 
 

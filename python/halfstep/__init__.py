@@ -19,7 +19,7 @@ from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID
                    check, lib, library_path)
 
 __all__ = ["Optimizer", "HalfstepError", "version", "has_nccl", "config", "group", "report_dict", "state_bytes",
-           "moment_blocks",
+           "moment_blocks", "encode_moment", "decode_moment",
            "SCALER_OPTIONS", "SPIKE_OPTIONS", "F16", "BF16", "F32", "BACKEND_CUDA", "BACKEND_REFERENCE",
            "TOTALS_SUM_WORDS", "TOTALS_MAX_WORDS"]
 
@@ -187,15 +187,41 @@ def moment_blocks(cfg, numel, whole_numel=0, row=0, offset=0):
     numel, in rows of `row` elements, 0: one row) holds its moments under `cfg`: a dict with
     quantized (block8 codes and scales; False: fp32 moments, and every other format), blocks (the
     scales each moment's buffer holds) and first (the piece's first block in the whole tensor)."""
+    t = _piece(numel, whole_numel, row, offset)
+    out = MomentBlocks()
+    check(lib.halfstep_moment_blocks_of(_C.byref(cfg), _C.byref(t), _C.byref(out)))
+    return dict(quantized=bool(out.quantized), blocks=out.blocks, first=out.first)
+
+
+def _piece(numel, whole_numel, row, offset):
     t = Tensor()
     lib.halfstep_tensor_init(_C.byref(t))
     t.numel = _int64(numel, "numel")
     t.whole_numel = _int64(whole_numel, "whole_numel")
     t.row = _int64(row, "row")
     t.offset = _int64(offset, "offset")
-    out = MomentBlocks()
-    check(lib.halfstep_moment_blocks_of(_C.byref(cfg), _C.byref(t), _C.byref(out)))
-    return dict(quantized=bool(out.quantized), blocks=out.blocks, first=out.first)
+    return t
+
+
+_MOMENTS = {"exp_avg": 0, "exp_avg_sq": 1}
+
+
+def encode_moment(moment, values, codes, scales, numel, whole_numel=0, row=0, offset=0):
+    """Host-memory moment values (the address of `numel` finite fp32 values; exp_avg_sq's >= 0) as
+    the block8 codes (`codes`: numel bytes) and scales (`scales`: moment_blocks' blocks floats) of
+    a tensor (a piece at `offset` of a whole tensor of `whole_numel` elements in rows of `row`,
+    cut where blocks start), to nearest, as a checkpoint conversion stores them. `moment` is
+    "exp_avg" or "exp_avg_sq". Nothing is written on error."""
+    t = _piece(numel, whole_numel, row, offset)
+    check(lib.halfstep_encode_moment(_C.byref(t), _named(moment, _MOMENTS, "moment"), values, codes, scales))
+
+
+def decode_moment(moment, codes, scales, values, numel, whole_numel=0, row=0, offset=0):
+    """The values host-memory block8 codes and scales hold (exp_avg_sq's squared), into `values`
+    (numel floats); the piece may be cut anywhere, its scales those of the blocks its elements lie
+    in, from its first element's."""
+    t = _piece(numel, whole_numel, row, offset)
+    check(lib.halfstep_decode_moment(_C.byref(t), _named(moment, _MOMENTS, "moment"), codes, scales, values))
 
 
 def report_dict(r):

@@ -13,7 +13,9 @@ load_state_dict takes what state_dict gave, also after those tools renamed the p
 their fully qualified names (entries are matched by position, as torch.optim matches them), and
 state_dicts of halfstep 0.3 (the entry at the top level). A state_dict of other state formats
 loads converted: fp32 moments into bf16 ones round once, to nearest even; bf16 into fp32 are
-exact; the fp32 masters become remainders exactly (a step with a bfloat16 model stores a master in
+exact; block8 codes (uint8, with their fp32 scales under 'exp_avg_scale' and 'exp_avg_sq_scale')
+load into the same blocks as they are, into fp32 or bf16 decoded, and fp32 or bf16 moments into
+block8 encoded to nearest (_layouts.Layout.saved_moment); the fp32 masters become remainders exactly (a step with a bfloat16 model stores a master in
 its canonical form, _formats.canonical, in either master format), or without a master the weights,
 rounded to nearest even. Everything is checked before
 anything changes; with a process group every rank agrees before any rank changes.
@@ -24,10 +26,10 @@ import hashlib as _hashlib
 import torch
 
 from . import _hyper, _lib, _ranks, version
-from ._layouts import SLOTS
+from ._layouts import KEYS, MOMENTS, SLOTS
 
 KEY = _hyper.STATE_KEY
-_KNOWN = set(SLOTS) | {"step", "offset"}  # entry keys the optimizer writes itself
+_KNOWN = set(KEYS) | {"step", "offset"}  # entry keys the optimizer writes itself
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -170,9 +172,11 @@ class Checked:
             self.seed = _lib.seed(seed) if isinstance(seed, int) else None
         except ValueError:
             self.seed = None
-        self._check_state(opt, state_dict.get("state", {}), old="shapes" in hs)
+        moments = fmt.get("exp_avg") if isinstance(fmt, dict) else None
+        self._check_state(opt, state_dict.get("state", {}), old="shapes" in hs,
+                          saved_block8=None if moments is None else moments == "block8")
 
-    def _check_state(self, opt, state, old):
+    def _check_state(self, opt, state, old, saved_block8=None):
         layout = opt._layout
         count = len(opt._params)
         if layout.sharded and old:  # halfstep 0.3: the rank's whole chunk under key 0
@@ -199,23 +203,9 @@ class Checked:
                 self.entries[i] = None
                 self.extras[i] = {k: v for k, v in entry.items() if k not in _KNOWN}
                 continue
-            local = {}
-            for key in SLOTS:
-                t = layout.to_local(i, key, entry.get(key))
-                dtypes = layout.saved_dtypes(key)
-                if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or tuple(t.shape) != shape:
-                    raise ValueError("load_state_dict: state[%d]['%s'] must be a %s tensor of shape %s" %
-                                     (i, key, " or ".join(str(d)[6:] for d in dtypes), shape))
-                if not bool(torch.isfinite(t).all()):
-                    raise ValueError("load_state_dict: state[%d]['%s'] holds inf or NaN: an applied step never "
-                                     "writes one, so this state was not written by a step" % (i, key))
-                stored = layout.converted(key, t)
-                if stored is not t and not bool(torch.isfinite(stored).all()):
-                    raise ValueError("load_state_dict: state[%d]['%s'] holds values past %s's range: this optimizer "
-                                     "keeps %s in %s" % (i, key, str(stored.dtype)[6:], key, str(stored.dtype)[6:]))
-                local[key] = stored
-            if bool((local["exp_avg_sq"] < 0).any()):
-                raise ValueError("load_state_dict: state[%d]['exp_avg_sq'] holds negative values" % i)
+            local = {"master": layout.saved_master(i, entry.get("master"))}
+            for key in MOMENTS:
+                local.update(layout.saved_moment(i, key, entry, saved_block8))
             if not bool(torch.isfinite(local["master"].to(opt._dtype)).all()):
                 raise ValueError("load_state_dict: state[%d]['master'] holds values past %s's range: the parameters "
                                  "could not hold them" % (i, str(opt._dtype)[6:]))

@@ -87,10 +87,16 @@ def mesh_group(mesh, process_group):
                                                                                    _dist.get_world_size()))
 
 
-def like(tensor, p):
-    """`tensor` (this rank's local piece, of p's local shape) as a DTensor laid out as `p`."""
-    return _DTensor.from_local(tensor, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                               stride=p.stride())
+def like(tensor, p, shape=None):
+    """`tensor` (this rank's local piece, of p's local shape) as a DTensor laid out as `p`; with
+    `shape`, a whole tensor of that shape cut as p's rows of dimension 0 are (a local piece of
+    p's local rows)."""
+    if shape is None:
+        return _DTensor.from_local(tensor, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                   stride=p.stride())
+    stride = tuple(int(_numel(shape[d + 1:])) for d in range(len(shape)))
+    return _DTensor.from_local(tensor, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                               stride=stride)
 
 
 def piece(full, p):

@@ -7,7 +7,11 @@ between a slot as it is stored and as a user or a checkpoint sees it. Only the l
   master exactly (master bits = parameter bits * 2^16 + remainder); or "none": no master at all,
   the parameter is the weight, the step's fp32 result written to it with the rounding.
 - exp_avg, exp_avg_sq: "f32" or "bf16" (decoded to fp32 in registers by the step, stored back with
-  the rounding: "stochastic", reproducible from the seed, or "nearest").
+  the rounding: "stochastic", reproducible from the seed, or "nearest"); or both "block8": 8-bit
+  codes (uint8, the parameter's shape) with an fp32 scale per block (exp_avg_scale,
+  exp_avg_sq_scale: [rows, blocks per row]), where a tensor's shape has blocks (Blocks); other
+  tensors keep fp32 moments. Blocks lie in rows of dimension 0 (row_of), decided by the whole
+  tensor's shape, never a shard's.
 """
 
 import collections as _collections
@@ -16,9 +20,14 @@ import torch
 from . import _lib
 
 # The keywords of TransformerEngine's FusedAdam (exp_avg_dtype, exp_avg_sq_dtype) by dtype.
-MOMENT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# torch.uint8 (both moments): block8 codes, as bitsandbytes' and torchao's 8-bit optimizers hold them.
+MOMENT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.uint8: "block8"}
 # A master-free layout keeps the parameter (bfloat16) where the master would be.
-DTYPE_OF = {"f32": torch.float32, "bf16": torch.bfloat16, "bf16_remainder": torch.int16, "none": torch.bfloat16}
+DTYPE_OF = {"f32": torch.float32, "bf16": torch.bfloat16, "bf16_remainder": torch.int16, "none": torch.bfloat16,
+            "block8": torch.uint8}
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SCALE_OF = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}  # a block8 moment's scales
+ZERO_CODE = {"exp_avg": 127, "exp_avg_sq": 0}  # the code of 0 in each moment's map
 
 
 class Formats(_collections.namedtuple("Formats", "master exp_avg exp_avg_sq rounding seed")):
@@ -47,10 +56,15 @@ class Formats(_collections.namedtuple("Formats", "master exp_avg exp_avg_sq roun
         return dict(self._asdict())
 
     @property
+    def block8(self):
+        """8-bit moments (codes and scales) where a tensor's shape has blocks."""
+        return self.exp_avg == "block8"
+
+    @property
     def random_bits(self):
-        """Whether a step draws stochastic rounding's bits (a bf16 moment, or a weight without a
-        master, rounded stochastically)."""
-        return self.rounding == "stochastic" and ("bf16" in (self.exp_avg, self.exp_avg_sq) or self.masterless)
+        """Whether a step draws stochastic rounding's bits (a bf16 or block8 moment, or a weight
+        without a master, rounded stochastically)."""
+        return self.rounding == "stochastic" and (self.exp_avg != "f32" or self.exp_avg_sq != "f32" or self.masterless)
 
 
 def choose(param_dtype, store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype, rounding, seed,
@@ -78,10 +92,12 @@ def choose(param_dtype, store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype,
     moments = {}
     for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
         if dtype not in MOMENT_DTYPES:
-            raise ValueError("%s must be torch.float32 or torch.bfloat16, got %r%s" % (
-                name, dtype, " (block8 codes: halfstep.Optimizer and the C++ API hold them, with a scale per block; "
-                "FusedAdamW does not yet)" if dtype is torch.uint8 else ""))
+            raise ValueError("%s must be torch.float32, torch.bfloat16 or torch.uint8 (8-bit block-wise codes), got %r"
+                             % (name, dtype))
         moments[name] = MOMENT_DTYPES[dtype]
+    if (moments["exp_avg_dtype"] == "block8") != (moments["exp_avg_sq_dtype"] == "block8"):
+        raise ValueError("exp_avg_dtype=%s, exp_avg_sq_dtype=%s: torch.uint8 (8-bit codes with a scale per block) is for "
+                         "both moments or neither" % (exp_avg_dtype, exp_avg_sq_dtype))
     if rounding not in ("stochastic", "nearest"):
         raise ValueError("rounding must be 'stochastic' or 'nearest', got %r" % (rounding,))
     seed = _lib.seed(seed)
@@ -143,5 +159,80 @@ def kept_remainders(model, remainder):
 
 
 def moment(t, fmt):
-    """A moment tensor in format `fmt`: fp32 to bf16 rounds once, to nearest even; bf16 to fp32 is exact."""
-    return t.to(DTYPE_OF[fmt])
+    """A moment tensor (values) in a wide format `fmt` ("f32", "bf16"; a block8 optimizer's tensors
+    without blocks are "f32"): fp32 to bf16 rounds once, to nearest even; bf16 to fp32 is exact."""
+    return t.to(torch.float32 if fmt == "block8" else DTYPE_OF[fmt])
+
+
+# -- 8-bit moments: where a tensor's blocks lie, and conversions ------------------------------------
+
+
+def row_of(shape):
+    """The elements of a row of a tensor of `shape`, for block8's blocks: a slice of dimension 0
+    (FSDP2's Shard(0) cuts there, so every rank holds whole blocks). A one-dimensional tensor's rows
+    are single elements: it keeps fp32 moments, on any mesh."""
+    n = 1
+    for d in tuple(shape)[1:]:
+        n *= int(d)
+    return n if len(shape) > 0 else 0
+
+
+_BLOCK8_CONFIG = []
+
+
+def _moment_blocks(numel, whole_numel, row, offset):
+    from . import config, moment_blocks  # (the raw API: halfstep's own rule, one for C++ and Python)
+    if not _BLOCK8_CONFIG:
+        _BLOCK8_CONFIG.append(config(backend="reference", exp_avg="block8", exp_avg_sq="block8"))
+    return moment_blocks(_BLOCK8_CONFIG[0], numel, whole_numel, row, offset)
+
+
+class Blocks(_collections.namedtuple("Blocks", "whole_numel row offset numel count first scale_shape")):
+    """The blocks of a piece (this rank's local tensor, `numel` elements from element `offset`) of
+    a tensor whose shape has them: the whole tensor's numel and row, the piece's blocks (`count`
+    scales per moment, from block `first`) and the shape its scales are kept in ([rows, blocks per
+    row] for whole rows; flat otherwise)."""
+
+    def first_of(self, offset, numel):
+        """The first block of the piece of `numel` elements at `offset` in the whole tensor (cut where blocks start)."""
+        return _moment_blocks(numel, self.whole_numel, self.row, offset)["first"]
+
+    def next_start(self, index):
+        """The first element at or after `index` (in the whole tensor) where a block starts (or the tensor's end)."""
+        q, m = divmod(index, self.row)
+        m = -(-m // 256) * 256
+        return min(q * self.row + min(m, self.row), self.whole_numel)
+
+
+def blocks(shape, whole_numel, numel, offset):
+    """The Blocks of a piece of `numel` elements at `offset` of a tensor of (global) `shape`, or
+    None where the shape has none (fewer than 4096 elements, rows shorter than 32: fp32 moments)."""
+    row = row_of(shape)
+    b = _moment_blocks(numel, whole_numel, row, offset)
+    if not b["quantized"]:
+        return None
+    rows_whole = numel % row == 0 and offset % row == 0
+    per_row = -(-row // 256)
+    scale_shape = (numel // row, per_row) if rows_whole else (b["blocks"],)
+    return Blocks(whole_numel, row, offset, numel, b["blocks"], b["first"], scale_shape)
+
+
+def encode(values, name, b):
+    """Moment `name`'s values (a tensor of b.numel finite values; exp_avg_sq's >= 0) as (codes,
+    scales) on their device: to nearest, as a checkpoint conversion stores them."""
+    from . import encode_moment
+    x = values.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+    codes = torch.empty(b.numel, dtype=torch.uint8)
+    scales = torch.empty(b.count, dtype=torch.float32)
+    encode_moment(name, x.data_ptr(), codes.data_ptr(), scales.data_ptr(), b.numel, b.whole_numel, b.row, b.offset)
+    return codes.to(values.device), scales.view(b.scale_shape).to(values.device)
+
+
+def decode(codes, scales, name, b):
+    """The fp32 values codes and scales (of the piece `b`) hold, on the codes' device."""
+    from . import decode_moment
+    c = codes.detach().to("cpu").contiguous().reshape(-1)
+    s = scales.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+    out = torch.empty(b.numel, dtype=torch.float32)
+    decode_moment(name, c.data_ptr(), s.data_ptr(), out.data_ptr(), b.numel, b.whole_numel, b.row, b.offset)
+    return out.to(codes.device)

@@ -23,7 +23,15 @@ import torch.distributed as _dist
 from . import _dtensor, _formats, _sharding
 
 SLOTS = ("master", "exp_avg", "exp_avg_sq")
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = _formats.MOMENTS
+SCALES = ("exp_avg_scale", "exp_avg_sq_scale")  # block8 moments' scales, beside their codes
+KEYS = SLOTS + SCALES  # every key of a parameter's state the optimizer keeps
+
+
+def _finite(t, i, key):
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError("load_state_dict: state[%d]['%s'] holds inf or NaN: an applied step never writes one, so "
+                         "this state was not written by a step" % (i, key))
 
 
 def _take(slots, model, weights, master_format):
@@ -71,6 +79,9 @@ class Layout:
         self.formats = {name: formats.dtype(name) for name in SLOTS}  # slot -> the dtype it is stored in
         self.numels = [t.numel() for t in self.local]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
+        # Under block8, each parameter's blocks (_formats.Blocks) as this rank holds it, or None:
+        # its shape has none and its moments are fp32 (every parameter, in the other formats).
+        self.blocks = [self.shape_blocks(i) if formats.block8 else None for i in range(len(self.params))]
         self.table = self.rank_table(rank)
         self.pieces = [[] for _ in self.params]  # this rank's (offset, length, at) of each parameter
         for i, off, length, at, _ in self.table:
@@ -78,6 +89,44 @@ class Layout:
 
     def rank_table(self, rank):
         raise NotImplementedError
+
+    def element_offset(self, i):
+        """The index in the whole parameter of this rank's first element of parameter i."""
+        return 0
+
+    def shape_blocks(self, i):
+        """The blocks parameter i's shape has (whatever this optimizer's formats), as this rank
+        holds it, or None: a block8 optimizer keeps its moments in fp32."""
+        p = self.params[i]
+        return _formats.blocks(p.shape, p.numel(), self.numels[i], self.element_offset(i))
+
+    def moment_dtype(self, i, name):
+        """The dtype parameter i's moment `name` is stored in (block8 codes, or fp32 where its
+        shape has no blocks)."""
+        if self.state_formats.block8:
+            return torch.uint8 if self.blocks[i] is not None else torch.float32
+        return self.formats[name]
+
+    def new_moments(self, i, shape):
+        """Parameter i's moments at zero, as a step stores them: {slot: tensor} (codes of 0 and
+        scales of 0 under block8)."""
+        out = {}
+        for name in MOMENTS:
+            dtype = self.moment_dtype(i, name)
+            out[name] = torch.full(shape, _formats.ZERO_CODE[name] if dtype == torch.uint8 else 0, dtype=dtype,
+                                   device=self.device)
+            if dtype == torch.uint8:
+                out[_formats.SCALE_OF[name]] = torch.zeros(self.blocks[i].scale_shape, dtype=torch.float32,
+                                                           device=self.device)
+        return out
+
+    def zero_moments(self, i):
+        """Parameter i's moments set to zero (opt.state emptied)."""
+        for name, t in self.views(i).items():
+            if name in MOMENTS:
+                t.fill_(_formats.ZERO_CODE[name] if t.dtype == torch.uint8 else 0)
+            elif name in SCALES:
+                t.zero_()
 
     def param_of(self, rank, entry):
         """The parameter of entry `entry` of rank `rank`'s table."""
@@ -93,6 +142,15 @@ class Layout:
             row["master"] = 0  # the library holds no master: the model copy is the weight
         row.update(grad=0, model=0 if model is None else model.data_ptr() + model.element_size() * at,
                    numel=length, group=self.group_of[i], duplicate=not in_norm, tensor_id=i + 1, offset=offset)
+        if self.state_formats.block8:  # the whole tensor's shape: where its blocks lie
+            p = self.params[i]
+            row.update(whole_numel=p.numel(), row=_formats.row_of(p.shape))
+            b = self.blocks[i]
+            if b is not None:  # the piece's scales: from its first block on
+                first = b.first_of(offset, length) - b.first
+                for name in MOMENTS:
+                    scales = slots[_formats.SCALE_OF[name]]
+                    row[_formats.SCALE_OF[name]] = scales.data_ptr() + 4 * first
         return row
 
     def grad_addresses(self, grads):
@@ -126,7 +184,7 @@ class Layout:
         out = {}
         for i in range(len(self.params)):
             views = self.views(i)
-            out[i] = {k: self.shown(i, k).detach().clone() if k in SLOTS else v for k, v in views.items()}
+            out[i] = {k: self.shown(i, k).detach().clone() if k in KEYS else v for k, v in views.items()}
         return out
 
     def expected(self, i):
@@ -134,22 +192,73 @@ class Layout:
         view = self.views(i).get("master")
         return None if view is None else tuple(view.shape)
 
-    def to_local(self, i, name, t):
-        """A saved slot as this rank's tensor (the identity, but for DTensors)."""
+    def to_local(self, i, name, t, shape=None):
+        """A saved slot as this rank's tensor (the identity, but for DTensors; `shape`: a scale
+        slot's, [rows, blocks per row] as this rank holds it)."""
         return t
 
-    @staticmethod
-    def saved_dtypes(name):
-        """The dtypes a saved slot may have (a state_dict of any format): fp32 masters; moments in
-        fp32 or bf16."""
-        return (torch.float32,) if name == "master" else tuple(_formats.MOMENT_DTYPES)
+    def saved_master(self, i, t):
+        """A saved master (fp32, of the shape expected(i)) as this rank's tensor, or ValueError."""
+        t = self.to_local(i, "master", t)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != self.expected(i):
+            raise ValueError("load_state_dict: state[%d]['master'] must be a float32 tensor of shape %s"
+                             % (i, self.expected(i)))
+        _finite(t, i, "master")
+        return t
 
-    def converted(self, name, t):
-        """A saved moment in this layout's dtype (fp32 into bf16 rounds once, to nearest even; bf16
-        into fp32 is exact); a master as it is (load() stores it in this layout's format)."""
-        if name == "master" or t.dtype == self.formats[name]:
-            return t
-        return _formats.moment(t.to(self.device), getattr(self.state_formats, name))
+    def saved_moment(self, i, name, entry, saved_block8=None):
+        """{slot: tensor} to store for moment `name` of parameter i from its saved entry, checked
+        (ValueError naming the rule): fp32 or bf16 values, or block8 codes with their scales
+        (entry[name + '_scale']), each converted to this layout's format: codes and scales into the
+        same blocks as they are (exact); values into block8 encoded to nearest; codes into fp32 or
+        bf16 decoded (exp_avg_sq squared), then rounded as values are (fp32 into bf16 once, to
+        nearest even; bf16 into fp32 exactly). `saved_block8`: whether the state_dict says it was
+        saved with block8 moments (None: it does not say); a tensor whose shape has blocks must then
+        hold codes, and otherwise values: torch.distributed.checkpoint loads into the dtypes of the
+        state_dict it fills, and would have cast codes to values or values to codes."""
+        shape = self.expected(i)
+        where = "load_state_dict: state[%d]['%s']" % (i, name)
+        t = self.to_local(i, name, entry.get(name))
+        if not isinstance(t, torch.Tensor) or t.dtype not in _formats.MOMENT_DTYPES or tuple(t.shape) != shape:
+            raise ValueError("%s must be a float32, bfloat16 or uint8 (block8 codes) tensor of shape %s" % (where, shape))
+        has_blocks = self.shape_blocks(i) is not None
+        if saved_block8 is not None and (t.dtype == torch.uint8) != (saved_block8 and has_blocks) and has_blocks:
+            raise ValueError("%s is %s, but the state_dict was saved with %s moments: its values were cast on the way "
+                             "(torch.distributed.checkpoint loads into the dtypes of the state_dict it fills). Load "
+                             "the checkpoint into an optimizer of the format it was saved in (its state_dict() as "
+                             "the one to fill), then load that optimizer's state_dict() into this one: it converts"
+                             % (where, str(t.dtype)[6:], "block8" if saved_block8 else "fp32 or bf16"))
+        mine = self.blocks[i]
+        if t.dtype == torch.uint8:
+            saved = mine if mine is not None else self.shape_blocks(i)
+            if saved is None:
+                raise ValueError("%s holds block8 codes, but parameter %d's shape %s has no blocks (fewer than 4096 "
+                                 "elements, or rows of dimension 0 shorter than 32): a block8 optimizer keeps its "
+                                 "moments in fp32" % (where, i, tuple(self.params[i].shape)))
+            key = _formats.SCALE_OF[name]
+            scales = self.to_local(i, key, entry.get(key), saved.scale_shape)
+            if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
+                    tuple(scales.shape) != saved.scale_shape:
+                raise ValueError("load_state_dict: state[%d]['%s'] must be a float32 tensor of shape %s beside the "
+                                 "block8 codes of '%s' (a scale per block)" % (i, key, saved.scale_shape, name))
+            _finite(scales, i, key)
+            if bool((scales < 0).any()):
+                raise ValueError("load_state_dict: state[%d]['%s'] holds negative scales" % (i, key))
+            if mine is not None:
+                return {name: t, key: scales}
+            t = _formats.decode(t.to(self.device), scales.to(self.device), name, saved)
+        else:
+            _finite(t, i, name)
+            if name == "exp_avg_sq" and bool((t < 0).any()):
+                raise ValueError("load_state_dict: state[%d]['exp_avg_sq'] holds negative values" % i)
+            if mine is not None:
+                codes, scales = _formats.encode(t.to(self.device), name, mine)
+                return {name: codes.view(shape), _formats.SCALE_OF[name]: scales}
+        stored = _formats.moment(t.to(self.device), getattr(self.state_formats, name)).view(shape)
+        if not bool(torch.isfinite(stored).all()):
+            raise ValueError("load_state_dict: state[%d]['%s'] holds values past %s's range: this optimizer keeps %s "
+                             "in %s" % (i, name, str(stored.dtype)[6:], name, str(stored.dtype)[6:]))
+        return {name: stored}
 
     def load(self, entries):
         """Writes checked {index: {slot: tensor}} (fp32 masters, moments in this layout's dtypes)
@@ -160,8 +269,9 @@ class Layout:
             views = self.views(i)
             if "master" not in views:
                 continue
-            for name in MOMENTS:
-                views[name].copy_(entry[name].view(views[name].shape))
+            for name, t in entry.items():
+                if name != "master":
+                    views[name].copy_(t.view(views[name].shape))
             self.write_master(i, entry["master"].view(views["master"].shape))
         self.loaded()
 
@@ -193,15 +303,16 @@ class PerParameter(Layout):
         for p, w in zip(self.params, self.local):
             given = carried.get(p, {})
             slots = {}
-            for name in SLOTS:
-                if name == "master" and self.masterless:
-                    slots[name] = w.detach()  # the parameter is the weight
-                elif name in given:
-                    slots[name] = given[name]
-                elif name == "master" and not self.remainders:
-                    slots[name] = w.detach() if self.fp32 else w.detach().float().contiguous().clone()
-                else:  # moments, and remainders (0: the master is the parameter's value)
-                    slots[name] = torch.zeros(w.shape, dtype=self.formats[name], device=self.device)
+            if self.masterless:
+                slots["master"] = w.detach()  # the parameter is the weight
+            elif "master" in given:
+                slots["master"] = given["master"]
+            elif not self.remainders:
+                slots["master"] = w.detach() if self.fp32 else w.detach().float().contiguous().clone()
+            else:  # remainders (0: the master is the parameter's value)
+                slots["master"] = torch.zeros(w.shape, dtype=self.formats["master"], device=self.device)
+            fresh = self.new_moments(len(self.state), w.shape)
+            slots.update({name: given.get(name, t) for name, t in fresh.items()})
             if self.fp32:  # the parameter is its own master (carrying the carried values)
                 if slots["master"].data_ptr() != w.data_ptr():
                     w.detach().copy_(slots["master"].view_as(w))
@@ -209,16 +320,13 @@ class PerParameter(Layout):
             self.state.append(slots)
 
     def rank_table(self, rank):
-        return _sharding.rank_table(self.numels, self.world, rank, self.pg is not None, False)
+        return _sharding.rank_table(self.numels, self.world, rank, self.pg is not None, False,
+                                    [None if b is None else b.next_start for b in self.blocks])
 
     def entries(self):
         return [self._row(self.state[i], None if self.fp32 else self.local[i].detach(), off, length, i, in_norm,
                           self.element_offset(i) + off)
                 for i, off, length, _, in_norm in self.table]
-
-    def element_offset(self, i):
-        """The index in the whole parameter of this rank's first element of parameter i."""
-        return 0
 
     def views(self, i):
         """Parameter i's slots: the very tensors the step writes."""
@@ -281,6 +389,12 @@ class DTensorShards(PerParameter):
     def element_offset(self, i):
         offset = _dtensor.global_offset(self.params[i])
         if offset is None:
+            p = self.params[i]
+            if self.state_formats.block8 and _formats.blocks(p.shape, p.numel(), p.numel(), 0) is not None:
+                raise ValueError("parameter %d is a DTensor with placements %s: its local tensor is not whole rows of "
+                                 "dimension 0, and block8 moments keep their blocks within those rows; shard it on "
+                                 "dimension 0 (FSDP2's Shard(0)), or keep fp32 or bf16 moments"
+                                 % (i, self.params[i].placements))
             if self.state_formats.random_bits:
                 raise ValueError("parameter %d is a DTensor with placements %s: its local tensor is not one run of the "
                                  "whole tensor's elements, and stochastic rounding keys each element's bits by its "
@@ -291,24 +405,38 @@ class DTensorShards(PerParameter):
 
     def saved(self):
         # DTensors laid out as the parameter: torch.distributed.checkpoint saves them sharded and
-        # loads them into any other number of ranks.
-        return {i: {name: _dtensor.like(self.shown(i, name).detach().clone().view(self.local[i].shape),
-                                        self.params[i]) for name in SLOTS} for i in range(len(self.params))}
+        # loads them into any other number of ranks (block8 scales: rows of dimension 0 as the
+        # parameter's, a scale per block of a row).
+        out = {}
+        for i in range(len(self.params)):
+            out[i] = {}
+            for name in self.views(i):
+                t = self.shown(i, name).detach().clone()
+                out[i][name] = _dtensor.like(t, self.params[i], self.scale_shape(i) if name in SCALES else None)
+        return out
 
-    def to_local(self, i, name, t):
+    def scale_shape(self, i):
+        """The whole tensor's block8 scales' shape: [rows of dimension 0, blocks per row]."""
+        p = self.params[i]
+        return (int(p.shape[0]), self.blocks[i].scale_shape[1])
+
+    def to_local(self, i, name, t, shape=None):
         """A DTensor laid out as parameter i (what state_dict() gives, also after
         torch.distributed.checkpoint loaded it on another number of ranks), or a whole tensor of the
-        parameter's global shape (a gathered state_dict), of which this rank takes its piece."""
+        parameter's global shape (a gathered state_dict), of which this rank takes its piece; a
+        block8 scale slot (`shape`: this rank's) laid out in the parameter's rows."""
         p = self.params[i]
+        whole = tuple(p.shape) if shape is None else (int(p.shape[0]), shape[1])
+        local_shape = tuple(self.local[i].shape) if shape is None else tuple(shape)
         if _dtensor.is_dtensor(t):
-            if t.device_mesh != p.device_mesh or t.placements != p.placements or t.shape != p.shape:
+            if t.device_mesh != p.device_mesh or t.placements != p.placements or tuple(t.shape) != whole:
                 raise ValueError("load_state_dict: state[%d]['%s'] is a DTensor of shape %s with placements %s on %s; "
                                  "parameter %d's are %s, %s on %s: load it with torch.distributed.checkpoint into "
                                  "this optimizer's state_dict()" % (i, name, tuple(t.shape), t.placements,
-                                                                    t.device_mesh, i, tuple(p.shape), p.placements,
+                                                                    t.device_mesh, i, whole, p.placements,
                                                                     p.device_mesh))
             return _dtensor.local(t)
-        if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(p.shape) and t.shape != self.local[i].shape:
+        if isinstance(t, torch.Tensor) and tuple(t.shape) == whole and tuple(t.shape) != local_shape:
             return _dtensor.piece(t, p)
         return t
 
@@ -444,5 +572,10 @@ def build(params, group_of, world, rank, pg, mesh, shard, formats, carried=None)
     if mesh is not None:
         return DTensorShards(params, group_of, world, rank, pg, formats, carried)
     if shard:
+        if formats.block8:
+            raise ValueError("shard=True with exp_avg_dtype=torch.uint8: ZeRO-1 cuts the flat parameter space "
+                             "anywhere, and block8 moments need each cut where a block starts; FusedAdamW does not "
+                             "offer that yet (the C++ API's even_shard does). Use shard=False (every rank keeps all "
+                             "of the state), or FSDP2 (fully_shard), whose row cuts keep blocks whole")
         return ZeroShard(params, group_of, world, rank, pg, formats, carried)
     return PerParameter(params, group_of, world, rank, pg, formats, carried)

@@ -145,6 +145,8 @@ def _load(path):
         "halfstep_state_bytes_of": (C.c_int, [C.POINTER(Config), C.c_int32, C.POINTER(StateBytes)]),
         "halfstep_tensor_init": (None, [C.POINTER(Tensor)]),
         "halfstep_moment_blocks_of": (C.c_int, [C.POINTER(Config), C.POINTER(Tensor), C.POINTER(MomentBlocks)]),
+        "halfstep_encode_moment": (C.c_int, [C.POINTER(Tensor), C.c_int32, P, P, P]),
+        "halfstep_decode_moment": (C.c_int, [C.POINTER(Tensor), C.c_int32, P, P, P]),
         "halfstep_learning_rates": (C.c_int, [P, C.POINTER(C.c_float), C.c_int32]),
         "halfstep_loss_scale": (C.c_int, [P, C.POINTER(C.c_float)]),
         "halfstep_device_loss_scale": (C.POINTER(C.c_float), [P]),

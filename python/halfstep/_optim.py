@@ -101,7 +101,7 @@ class _ParamState(dict):
     __hash__ = None
 
     def __setitem__(self, key, value):
-        if key in _layouts.SLOTS:
+        if key in _layouts.KEYS:
             self._opt._set_slot(self._index, key, value)
             return
         if key in ("step", "offset"):
@@ -110,13 +110,13 @@ class _ParamState(dict):
         super().__setitem__(key, value)
 
     def __delitem__(self, key):
-        if key in _layouts.SLOTS or key in ("step", "offset"):
+        if key in _layouts.KEYS or key in ("step", "offset"):
             raise TypeError("opt.state[p][%r] cannot be deleted: it is the optimizer's state of the parameter; clear "
                             "opt.state to reset every parameter's moments" % key)
         super().__delitem__(key)
 
     def pop(self, key, *default):
-        if key in self and (key in _layouts.SLOTS or key in ("step", "offset")):
+        if key in self and (key in _layouts.KEYS or key in ("step", "offset")):
             self.__delitem__(key)
         return super().pop(key, *default)
 
@@ -142,7 +142,7 @@ class _ParamState(dict):
 
     def extras(self):
         """The keys a user added."""
-        return {k: v for k, v in dict.items(self) if k not in _layouts.SLOTS and k not in ("step", "offset")}
+        return {k: v for k, v in dict.items(self) if k not in _layouts.KEYS and k not in ("step", "offset")}
 
 
 class _StateMap(_collections.defaultdict):
@@ -282,7 +282,13 @@ class FusedAdamW(torch.optim.Optimizer):
         parameter less than fp32 masters. opt.state[p]['master'] and state_dict() show the
         parameter's values in fp32; a state_dict with fp32 masters loads (rounded to nearest).
     exp_avg_dtype, exp_avg_sq_dtype: torch.float32 (the default) or torch.bfloat16: the moments
-        held in bfloat16, decoded and encoded inside the fused step (2 bytes each instead of 4).
+        held in bfloat16, decoded and encoded inside the fused step (2 bytes each instead of 4); or
+        both torch.uint8: 8-bit block-wise codes (1 byte each, and an fp32 scale per block of 256
+        elements of a row of dimension 0: opt.state[p]['exp_avg_scale'], ['exp_avg_sq_scale']) for
+        parameters of at least 4096 elements with rows of at least 32 (the others keep fp32
+        moments: the rule reads the whole parameter's shape, so any mesh gives the same state).
+        exp_avg is stored to nearest, the square root of exp_avg_sq with the rounding below.
+        shard=True is not offered with it yet.
     rounding: how bfloat16 moments (and weights without a master) are stored: 'stochastic' (the
         default: unbiased, so that exp_avg_sq and the weights keep moving when a step's change is
         below half a bf16 ulp; its bits a hash of seed, step, parameter and element, the same on
@@ -811,14 +817,28 @@ class FusedAdamW(torch.optim.Optimizer):
                 name, view.numel(), tuple(view.shape), value if not isinstance(value, torch.Tensor) else
                 "a tensor of shape %s" % (tuple(value.shape),)))
         value = _dtensor.local(value) if _dtensor.is_dtensor(value) else value
-        if not bool(torch.isfinite(value.detach()).all()):
-            raise ValueError("opt.state[p][%r]: the values must be finite" % name)
+        codes = view.dtype == torch.uint8  # block8 codes: as stored (uint8), or values to encode
+        if codes != (value.dtype == torch.uint8) and (not codes or not value.is_floating_point()):
+            raise ValueError("opt.state[p][%r] takes %s, got a %s tensor" % (
+                name, "block8 codes (uint8) or values (a floating-point tensor, encoded with its scales)" if codes
+                else "values (a floating-point tensor)", str(value.dtype)[6:]))
+        if not codes or value.dtype != torch.uint8:
+            if not bool(torch.isfinite(value.detach()).all()):
+                raise ValueError("opt.state[p][%r]: the values must be finite" % name)
+            if name in ("exp_avg_sq",) + _layouts.SCALES and bool((value < 0).any()):
+                raise ValueError("opt.state[p][%r]: the values must be >= 0" % name)
+        if codes and value.dtype != torch.uint8:  # values: encoded to nearest, with their scales
+            with self._lock, torch.no_grad():
+                self._take_pending_weights()
+                stored = self._layout.saved_moment(i, name, {name: value.detach().to(self._device).reshape(view.shape)})
+                for key, t in stored.items():
+                    self._layout.set_slot(i, key, t)
+                self._versions = self._current_versions()
+            return
         value = value.detach().to(view.device, view.dtype).reshape(view.shape)
         if not bool(torch.isfinite(value).all()):
             raise ValueError("opt.state[p][%r]: values past %s's range, the dtype this optimizer keeps it in"
                              % (name, str(view.dtype)[6:]))
-        if name == "exp_avg_sq" and bool((value < 0).any()):
-            raise ValueError("opt.state[p]['exp_avg_sq']: the values must be >= 0")
         if name == "master" and not bool(torch.isfinite(value.to(self._dtype)).all()):
             raise ValueError("opt.state[p]['master']: values past %s's range" % str(self._dtype)[6:])
         with self._lock, torch.no_grad():
@@ -864,9 +884,7 @@ class FusedAdamW(torch.optim.Optimizer):
         with self._lock, torch.no_grad():
             self._take_pending_weights()
             for i in range(len(self._params)):
-                for name, t in self._layout.views(i).items():
-                    if name in ("exp_avg", "exp_avg_sq"):
-                        t.zero_()
+                self._layout.zero_moments(i)
             step = self._opt.state()["step"]
             stream = self._stream()
             for i in range(len(self._pushed)):

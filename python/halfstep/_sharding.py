@@ -8,12 +8,14 @@ def chunk_size(total, world):
     return -(-total // world)
 
 
-def rank_table(numels, world, rank, distributed, shard):
+def rank_table(numels, world, rank, distributed, shard, starts=None):
     """What each entry of rank `rank`'s halfstep tensor table is: (parameter index, offset in the
     parameter, length, offset in the rank's chunk, counted in the norm). Without a process group
     (`distributed` false) every parameter is one entry. Sharded (ZeRO-1), a rank's entries are the
     pieces of its range. Replicated, every rank holds every parameter; each element counts in the
-    norm on one rank only, the one whose range holds it (its inf/NaN are seen by all)."""
+    norm on one rank only, the one whose range holds it (its inf/NaN are seen by all); `starts`
+    (replicated only): per parameter None, or a function moving a cut to where a piece may start
+    (block8: the next block start), so that the ranks' ranges still tile the space."""
     total = sum(numels)
     chunk = chunk_size(total, world)
     begin = min(total, rank * chunk)
@@ -26,7 +28,8 @@ def rank_table(numels, world, rank, distributed, shard):
         elif shard:
             pieces = [(lo - at, hi - lo, True)] if lo < hi else []
         else:
-            cut = sorted({0, n, min(max(begin - at, 0), n), min(max(end - at, 0), n)})
+            move = (starts[i] if starts is not None else None) or (lambda x: x)
+            cut = sorted({0, n, move(min(max(begin - at, 0), n)), move(min(max(end - at, 0), n))})
             pieces = [(a, b - a, begin <= at + a < end) for a, b in zip(cut, cut[1:]) if b > a]
         for off, length, in_norm in pieces:
             out.append((i, off, length, at + off - begin, in_norm))

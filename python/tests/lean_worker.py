@@ -4,12 +4,13 @@ or without a master, bfloat16 moments rounded stochastically) over a process gro
 usage: lean_worker.py RANK WORLD MODE INIT_FILE OUT_FILE [CHECKPOINT_DIR [OTHER_CHECKPOINT_DIR]]
 
 MODE zero: plain bfloat16 parameters, ZeRO-1 (shard=True) and replicated (shard=False), STEPS steps
-of the same gradients on every rank (an inf in one step), with remainders and without a master.
+of the same gradients on every rank (an inf in one step), with remainders, without a master, and
+with 8-bit moments (replicated only).
 MODE fsdp: a bfloat16 model under FSDP2 (fully_shard) on a 1-D mesh of WORLD ranks, STEPS steps on
 the same batch everywhere in every format, the remainder and the master-free states saved with
 torch.distributed.checkpoint into CHECKPOINT_DIR/<format> and, given OTHER_CHECKPOINT_DIR (written
 on another number of ranks), loaded from there: the remainder state into optimizers of every
-format, the master-free one into its own.
+format, the master-free one and the 8-bit one into their own, the 8-bit one into fp32 too.
 """
 
 import sys
@@ -21,14 +22,19 @@ from halfstep.torch import FusedAdamW
 
 from helpers import fresh_params, leave_process_group, scaled_grads
 
-SHAPES = [(7, 5), (33,), (4, 4, 3), (1,), (40, 3)]
+# (20, 300): 6000 elements in rows of 300, block8's codes in two blocks a row (256 and 44); the
+# others keep fp32 moments under block8.
+SHAPES = [(7, 5), (33,), (4, 4, 3), (1,), (40, 3), (20, 300)]
 STEPS = 8
 LEAN = dict(store_param_remainders=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, seed=11)
 MASTERLESS = dict(master_weight_dtype=None, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, seed=11)
+# 8-bit moments without a master: the leanest state (6 bytes a parameter with bf16 gradients).
+BLOCK8 = dict(master_weight_dtype=None, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, seed=11)
 FORMATS = {"lean": LEAN, "f32": {},
            "bf16 moments": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, seed=11),
-           "masterless": MASTERLESS}
-SAVED = ("lean", "masterless")  # the formats whose checkpoints load on another number of ranks
+           "masterless": MASTERLESS, "block8": BLOCK8,
+           "block8 masters": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, seed=11)}
+SAVED = ("lean", "masterless", "block8")  # the formats whose checkpoints load on another number of ranks
 
 
 def make(params, pg, shard, **kw):
@@ -52,13 +58,13 @@ def train(params, opt, steps=range(STEPS)):
 
 def zero(out, world):
     for name in SAVED:
-        for shard in (True, False):
+        for shard in (True, False) if name != "block8" else (False,):  # (ZeRO-1 refuses block8)
             params = fresh_params(SHAPES, torch.bfloat16, seed=5)
             opt = make(params, dist.group.WORLD, shard, **FORMATS[name])
             out[name, shard] = dict(reports=train(params, opt), params=[p.detach().clone() for p in params])
 
 
-IN, HIDDEN, OUT, BATCH = 16, 24, 5, 8
+IN, HIDDEN, OUT, BATCH = 300, 24, 5, 8  # the first weight, 24 x 300, holds block8 codes
 
 
 def model_of(seed):
@@ -113,17 +119,41 @@ def fsdp(out, world, checkpoint, other):
         # here; the master-free one into its own format ("masterless from masterless").
         out["loaded"] = {}
         for name, kw, source in [(n, kw, "lean") for n, kw in FORMATS.items()] + [
-                ("masterless from masterless", MASTERLESS, "masterless")]:
+                ("masterless from masterless", MASTERLESS, "masterless"), ("block8 from block8", BLOCK8, "block8"),
+                ("f32 from block8", FORMATS["f32"], "block8")]:
             fresh = sharded(mesh, seed=11)
             fresh_opt = FusedAdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.8, **kw)
-            target = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+            # torch.distributed.checkpoint fills the state_dict it is given, in its dtypes and keys:
+            # a block8 checkpoint (codes and scales) loads into an optimizer of its own format,
+            # whose state_dict then converts into another (so do fp32 or bf16 ones into block8).
+            block8 = (kw.get("exp_avg_dtype") is torch.uint8) != (source == "block8")
+            into = FusedAdamW(fresh.parameters(), lr=1e-2, **FORMATS[source]) if block8 else fresh_opt
+            target = {"model": fresh.state_dict(), "optim": into.state_dict()}
             dcp.load(target, checkpoint_id=other + "/" + source)
             fresh.load_state_dict(target["model"])
-            fresh_opt.load_state_dict(target["optim"])
-            out["loaded"][name] = dict(
+            into.load_state_dict(target["optim"])
+            if block8:
+                fresh_opt.load_state_dict(into.state_dict())
+            out["loaded"][name] = dict(refused=refused_cast(mesh, other + "/" + source, kw, source) if block8 else None,
                 state={i: {k: full(v) for k, v in e.items()} for i, e in fresh_opt.state_dict()["state"].items()},
                 next=train_model(fresh, fresh_opt, range(STEPS, STEPS + 3)),
                 params=[full(p) for p in fresh.parameters()])
+
+
+def refused_cast(mesh, checkpoint, kw, source):
+    """The message of load_state_dict refusing what torch.distributed.checkpoint gives when it fills
+    an optimizer of another block8-ness: codes cast to values, or values to codes (allowed with a
+    partial load, which leaves the keys the checkpoint lacks as they were)."""
+    import torch.distributed.checkpoint as dcp
+    model = sharded(mesh, seed=11)
+    opt = FusedAdamW(model.parameters(), lr=1e-2, **kw)
+    target = {"optim": opt.state_dict()}
+    dcp.load(target, checkpoint_id=checkpoint, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    try:
+        opt.load_state_dict(target["optim"])
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def main():

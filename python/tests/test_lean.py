@@ -11,9 +11,43 @@ import lean_worker as W  # noqa: E402
 from helpers import fresh_params, halfstep_entry, run_workers, scaled_grads, without  # noqa: E402
 from halfstep.torch import FusedAdamW  # noqa: E402
 
+from halfstep import _formats  # noqa: E402
+
 BF16 = torch.bfloat16
+U8 = torch.uint8
 LEAN = dict(store_param_remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
 MASTERLESS = dict(master_weight_dtype=None, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+BLOCK8 = dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8)
+BLOCK8_MASTERLESS = dict(master_weight_dtype=None, exp_avg_dtype=U8, exp_avg_sq_dtype=U8)
+
+
+def whole_blocks(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return _formats.blocks(shape, n, n, 0)
+
+
+def moment_values(entry, key, shape):
+    """A saved moment's values: as they are, or block8 codes decoded with their scales."""
+    t = entry[key]
+    if t.dtype != U8:
+        return t
+    return _formats.decode(t, entry[key + "_scale"], key, whole_blocks(shape)).view(shape)
+
+
+def loaded_as_converted(got, saved, key, shape):
+    """Whether a loaded moment (`got`: an entry of the loading optimizer) is the saved one (`saved`)
+    converted: codes and scales into the same blocks as they are, values into block8 encoded to
+    nearest, codes into fp32 or bf16 decoded and then rounded as values are."""
+    mine = got[key]
+    if mine.dtype == U8:
+        if saved[key].dtype == U8:
+            codes, scales = saved[key], saved[key + "_scale"]
+        else:
+            codes, scales = _formats.encode(saved[key].float(), key, whole_blocks(shape))
+        return torch.equal(mine, codes.view(shape)) and torch.equal(got[key + "_scale"], scales)
+    return torch.equal(mine, moment_values(saved, key, shape).to(mine.dtype))
 
 
 def run(steps, params=None, opt=None, start=0, **kw):
@@ -91,8 +125,10 @@ def test_what_lean_state_cannot_serve_is_refused_by_name():
         with pytest.raises(ValueError, match="store_param_remainders=True.*" + why):
             FusedAdamW(params, store_param_remainders=True)
     params = fresh_params(W.SHAPES, BF16, seed=1)
-    for kw, match in ((dict(exp_avg_dtype=torch.float16), "exp_avg_dtype must be torch.float32 or torch.bfloat16"),
-                      (dict(exp_avg_sq_dtype=torch.uint8), "exp_avg_sq_dtype must be"),
+    for kw, match in ((dict(exp_avg_dtype=torch.float16),
+                       r"exp_avg_dtype must be torch.float32, torch.bfloat16 or torch.uint8 .*got torch.float16"),
+                      (dict(exp_avg_sq_dtype=torch.uint8), "torch.uint8 .* is for both moments or neither"),
+                      (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=BF16), "both moments or neither"),
                       (dict(rounding="up"), "rounding must be 'stochastic' or 'nearest'"),
                       (dict(seed=-1), r"seed must be an integer in \[0, 2\^64\)"),
                       (dict(store_param_remainders="yes"), "store_param_remainders must be True, False or None")):
@@ -101,7 +137,8 @@ def test_what_lean_state_cannot_serve_is_refused_by_name():
 
 
 FORMATS = {"fp32": {}, "remainders": dict(store_param_remainders=True),
-           "bf16 moments": dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), "lean": LEAN, "masterless": MASTERLESS}
+           "bf16 moments": dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), "lean": LEAN, "masterless": MASTERLESS,
+           "block8": BLOCK8, "block8 masterless": BLOCK8_MASTERLESS}
 
 
 @pytest.mark.parametrize("saved", list(FORMATS))
@@ -119,13 +156,12 @@ def test_state_dicts_load_into_every_format(saved, loaded):
     other.load_state_dict(sd)
     for i, p in enumerate(fresh):
         master = sd["state"][i]["master"]
-        if loaded == "masterless":
+        if "masterless" in loaded:
             master = master.to(BF16).float()
         assert torch.equal(other.state[p]["master"], master)
         assert torch.equal(p.detach(), sd["state"][i]["master"].to(BF16))
         for key in ("exp_avg", "exp_avg_sq"):
-            want = sd["state"][i][key].to(other.state[p][key].dtype)
-            assert torch.equal(other.state[p][key], want), key
+            assert loaded_as_converted(other.state[p], sd["state"][i], key, tuple(p.shape)), (i, key)
     again = run(4, fresh, other, start=6)
     if saved == loaded:
         assert again[2] == rest[2]
@@ -201,12 +237,12 @@ def test_zero1_and_replicated_lean_state_steps_bitwise_like_one_process(world, t
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     results = launch(world, "zero", tmp_path)
-    for name in W.SAVED:  # remainders, and no master
+    for name in W.SAVED:  # remainders, no master, and 8-bit moments (replicated: cut where blocks start)
         params = fresh_params(W.SHAPES, BF16, seed=5)
         opt = W.make(params, None, None, **W.FORMATS[name])
         reports = [without(r) for r in W.train(params, opt)]
         assert [r["outcome"] for r in reports].count("applied") == W.STEPS - 1
-        for shard in (True, False):
+        for shard in (True, False) if name != "block8" else (False,):
             # (Replicated, every rank holding the inf counts it: nonfinite_count is the world's.)
             mine = ("held_elements", "first_nonfinite_rank") + (() if shard else ("nonfinite_count",))
             for r in results:
@@ -243,8 +279,12 @@ def test_fsdp2_lean_state_steps_bitwise_like_one_process(fsdp_runs, world):
             assert reports_of(r[name]) == reports_of(one[name]), name
             assert same(r[name]["params"], one[name]["params"]), name
             for i, entry in one[name]["saved"].items():
-                for key in ("master", "exp_avg", "exp_avg_sq"):
+                assert sorted(r[name]["saved"][i]) == sorted(entry), (name, i)
+                for key in entry:  # master, moments (block8: codes and scales) and step
                     assert torch.equal(r[name]["saved"][i][key], entry[key]), (name, i, key)
+    codes = one["block8"]["saved"][0]  # the first weight (24 x 300) holds codes: two blocks a row
+    assert codes["exp_avg"].dtype == U8 and codes["exp_avg_sq_scale"].shape == (24, 2)
+    assert one["block8"]["saved"][1]["exp_avg"].dtype == torch.float32  # its bias keeps fp32 moments
 
 
 def test_fsdp2_remainders_step_bitwise_like_fp32_masters(fsdp_runs):
@@ -260,21 +300,32 @@ def test_fsdp2_lean_checkpoint_saved_on_n_ranks_loads_on_m_in_every_format(fsdp_
         for name in W.FORMATS:
             got = r["loaded"][name]
             for i, entry in source["saved"].items():
-                master = entry["master"].to(BF16).float() if name == "masterless" else entry["master"]
+                master = entry["master"].to(BF16).float() if name in ("masterless", "block8") else entry["master"]
                 assert torch.equal(got["state"][i]["master"], master), (name, i)
                 for key in ("exp_avg", "exp_avg_sq"):
-                    assert torch.equal(got["state"][i][key], entry[key].to(got["state"][i][key].dtype)), (name, key)
+                    assert loaded_as_converted(got["state"][i], entry, key, tuple(entry["master"].shape)), (name, key)
             if name == "lean":  # its own format: resumed bit for bit, on another number of ranks
                 assert [without(x, "held_elements", "first_nonfinite_rank") for x in got["next"]] == \
                     [without(x, "held_elements", "first_nonfinite_rank") for x in source["next"]]
                 assert same(got["params"], source["next_params"])
-        # The master-free checkpoint into its own format: the same state, resumed bit for bit.
-        masterless, got = fsdp_runs[saved][0]["masterless"], r["loaded"]["masterless from masterless"]
-        for i, entry in masterless["saved"].items():
-            for key in ("master", "exp_avg", "exp_avg_sq"):
-                assert torch.equal(got["state"][i][key], entry[key]), (i, key)
-        assert reports_of(dict(reports=got["next"])) == reports_of(dict(reports=masterless["next"]))
-        assert same(got["params"], masterless["next_params"])
+        # The master-free and the 8-bit checkpoints into their own format: the same state (codes and
+        # scales too), resumed bit for bit.
+        for name in ("masterless", "block8"):
+            own, got = fsdp_runs[saved][0][name], r["loaded"][name + " from " + name]
+            for i, entry in own["saved"].items():
+                for key in entry:
+                    assert torch.equal(got["state"][i][key], entry[key]), (name, i, key)
+            assert reports_of(dict(reports=got["next"])) == reports_of(dict(reports=own["next"])), name
+            assert same(got["params"], own["next_params"]), name
+        # Filled by torch.distributed.checkpoint into another block8-ness, codes were cast to values
+        # or values to codes: refused, by name.
+        for name in ("block8", "block8 masters", "f32 from block8"):
+            assert "values were cast on the way" in r["loaded"][name]["refused"], name
+        # The 8-bit checkpoint into fp32 moments (through an optimizer of its own format): decoded.
+        own, got = fsdp_runs[saved][0]["block8"], r["loaded"]["f32 from block8"]
+        for i, entry in own["saved"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert loaded_as_converted(got["state"][i], entry, key, tuple(entry["master"].shape)), (i, key)
 
 
 def test_zeros_written_through_data_with_remainders_are_the_masters():
@@ -446,3 +497,97 @@ def test_without_a_master_a_copy_written_in_place_is_refused_and_weights_written
     assert torch.equal(opt.state[params[1]]["master"], torch.full(params[1].shape, 0.375))
     opt.state[params[0]]["master"] = torch.full(params[0].shape, 0.1)  # assigned: rounded into the weight
     assert torch.equal(params[0].detach(), torch.full(params[0].shape, 0.1).to(BF16))
+
+
+def test_block8_moments_hold_what_fp32_moments_hold_within_a_code():
+    # After one step from zero, fp32 moments hold m = (1 - b1) g and v = (1 - b2) g^2 exactly. The
+    # 8-bit ones hold them as codes of a block's largest magnitude: exp_avg to nearest, within half
+    # the signed map's widest cell (its top decade's 64 cells over [0.1, 1]: 0.9/64/2 of the
+    # block's absmax); sqrt(exp_avg_sq) stochastically, within one cell of the unsigned map's
+    # (0.9/128). A block's largest magnitude itself is exact (code 1), or 0.99296875 of it when
+    # exp_avg's is negative (the signed map has no -1).
+    a, oa, _ = run(1, **BLOCK8_MASTERLESS)
+    b, ob, _ = run(1, master_weight_dtype=None)
+    quantized = 0
+    for pa, pb in zip(a, b):
+        got, want = oa.state[pa], ob.state[pb]
+        shape = tuple(pa.shape)
+        blocks = whole_blocks(shape)
+        if blocks is None:  # small or short-row tensors keep fp32 moments: bitwise the fp32 run's
+            assert got["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in got
+            assert torch.equal(got["exp_avg"], want["exp_avg"]) and torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])
+            continue
+        quantized += 1
+        assert got["exp_avg"].dtype == U8 and got["exp_avg_scale"].shape == blocks.scale_shape
+        m = moment_values(got, "exp_avg", shape).reshape(blocks.scale_shape[0], -1)
+        r = moment_values(got, "exp_avg_sq", shape).sqrt().reshape(blocks.scale_shape[0], -1)
+        wm = want["exp_avg"].reshape(m.shape)
+        wr = want["exp_avg_sq"].sqrt().reshape(m.shape)
+        for k in range(blocks.scale_shape[1]):
+            cols = slice(256 * k, 256 * (k + 1))
+            am = wm[:, cols].abs().amax(dim=1, keepdim=True)
+            ar = wr[:, cols].amax(dim=1, keepdim=True)
+            assert torch.equal(got["exp_avg_scale"][:, k:k + 1], am)
+            # (the step roots its own v; the fp32 run's stored v rooted here may differ by an ulp)
+            assert bool(((got["exp_avg_sq_scale"][:, k:k + 1] - ar).abs() <= ar * 2.0 ** -22).all())
+            assert bool(((m[:, cols] - wm[:, cols]).abs() <= am * (0.9 / 128 + 1e-6)).all())
+            assert bool(((r[:, cols] - wr[:, cols]).abs() <= ar * (0.9 / 128 + 1e-6)).all())
+    assert quantized == 1
+    # 2 bytes of codes per element, and two fp32 scales per 256 elements of a row, for (20, 300):
+    p = a[-1]
+    held = sum(oa.state[p][k].numel() * oa.state[p][k].element_size()
+               for k in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"))
+    assert held == 2 * 6000 + 2 * 4 * 40
+
+
+def test_block8_state_assigned_cleared_and_refused():
+    params, opt, _ = run(3, **BLOCK8)
+    p = params[-1]
+    entry = opt.state[p]
+    # Values assigned to a codes slot are encoded with their scales, to nearest; codes as they are.
+    values = torch.linspace(-1e-3, 1e-3, 6000).view(20, 300)
+    entry["exp_avg"] = values
+    codes, scales = _formats.encode(values, "exp_avg", whole_blocks((20, 300)))
+    assert torch.equal(entry["exp_avg"], codes.view(20, 300)) and torch.equal(entry["exp_avg_scale"], scales)
+    entry["exp_avg"] = torch.full((20, 300), 200, dtype=U8)
+    assert int(entry["exp_avg"].min()) == 200 and torch.equal(entry["exp_avg_scale"], scales)
+    for key, value, match in (("exp_avg", torch.zeros(6000, dtype=torch.int32), "takes block8 codes"),
+                              ("exp_avg_sq_scale", -torch.ones(20, 2), "must be >= 0"),
+                              ("exp_avg_sq", torch.full((20, 300), -1.0), "must be >= 0"),
+                              ("exp_avg_scale", torch.full((20, 2), float("nan")), "must be finite")):
+        with pytest.raises(ValueError, match=match):
+            entry[key] = value
+    # An emptied state: codes of 0 and scales of 0, as a fresh optimizer holds them.
+    opt.state.clear()
+    fresh = W.make(fresh_params(W.SHAPES, BF16, seed=1), None, None, **BLOCK8)
+    for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+        assert torch.equal(opt.state[p][key], fresh.state[fresh.param_groups[-1]["params"][-1]][key]), key
+    assert int(opt.state[p]["exp_avg"][0, 0]) == 127
+    # ZeRO-1 is not offered with block8 yet, and says so.
+    with pytest.raises(ValueError, match="shard=True with exp_avg_dtype=torch.uint8"):
+        from halfstep import _layouts
+        _layouts.build(params, [0] * len(params), 2, 0, None, None, True, opt._formats)
+    # state_dicts: codes without their scales, scales of the wrong shape, codes for a tensor that
+    # has no blocks: refused by name, nothing loaded.
+    last = len(params) - 1
+    for edit, match in ((lambda e: e.pop("exp_avg_scale"), r"\['exp_avg_scale'\] must be a float32 tensor of shape "
+                                                            r"\(20, 2\)"),
+                        (lambda e: e.update(exp_avg_sq_scale=torch.ones(40)), "exp_avg_sq_scale"),
+                        (lambda e: e.update(exp_avg_sq_scale=-torch.ones(20, 2)), "negative scales")):
+        bad = opt.state_dict()
+        edit(bad["state"][last])
+        other = W.make(fresh_params(W.SHAPES, BF16, seed=4), None, None, **BLOCK8)
+        before = [other.state[q]["exp_avg"].clone() for q in other.param_groups[-1]["params"]]
+        with pytest.raises(ValueError, match=match):
+            other.load_state_dict(bad)
+        assert all(torch.equal(x, other.state[q]["exp_avg"]) for x, q in zip(before, other.param_groups[-1]["params"]))
+    bad = opt.state_dict()
+    bad["state"][0]["exp_avg"] = torch.zeros(7, 5, dtype=U8)
+    bad["state"][0]["exp_avg_scale"] = torch.zeros(7, 1)
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] holds block8 codes, but parameter 0's shape"):
+        W.make(fresh_params(W.SHAPES, BF16, seed=4), None, None).load_state_dict(bad)
+    # Codes where the state_dict says values were saved (a cast): refused, by name.
+    bad = opt.state_dict()
+    bad["param_groups"][0]["halfstep"]["state_format"]["exp_avg"] = "f32"
+    with pytest.raises(ValueError, match=r"state\[5\]\['exp_avg'\] is uint8, but the state_dict was saved with fp32"):
+        W.make(fresh_params(W.SHAPES, BF16, seed=4), None, None, **BLOCK8).load_state_dict(bad)
