@@ -29,7 +29,7 @@ from . import _hyper, _lib, _ranks, version
 from ._layouts import KEYS, MOMENTS, SLOTS
 
 KEY = _hyper.STATE_KEY
-_KNOWN = set(KEYS) | {"step", "offset"}  # entry keys the optimizer writes itself
+_KNOWN = set(SLOTS) | {"step", "offset"}  # entry keys the optimizer writes itself (and the scales of codes)
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -201,7 +201,7 @@ class Checked:
             shape = layout.expected(i)
             if shape is None:  # this rank holds none of the parameter (ZeRO-1)
                 self.entries[i] = None
-                self.extras[i] = {k: v for k, v in entry.items() if k not in _KNOWN}
+                self.extras[i] = _extras(layout, i, entry)
                 continue
             local = {"master": layout.saved_master(i, entry.get("master"))}
             for key in MOMENTS:
@@ -210,9 +210,16 @@ class Checked:
                 raise ValueError("load_state_dict: state[%d]['master'] holds values past %s's range: the parameters "
                                  "could not hold them" % (i, str(opt._dtype)[6:]))
             self.entries[i] = local
-            self.extras[i] = {k: v for k, v in entry.items() if k not in _KNOWN}
+            self.extras[i] = _extras(layout, i, entry)
         # Entries of "state" that are no parameter's (torch.optim keeps them).
         self.foreign = {k: v for k, v in state.items() if k not in keys} if isinstance(state, dict) else {}
+
+
+def _extras(layout, i, entry):
+    """The keys of a saved entry the user added: all but the optimizer's own (a block8 moment's
+    scales are the optimizer's where parameter i's shape has blocks)."""
+    own = _KNOWN | (set(KEYS) - set(SLOTS) if layout.shape_blocks(i) is not None else set())
+    return {k: v for k, v in entry.items() if k not in own}
 
 
 def load(opt, state_dict):

@@ -101,7 +101,7 @@ class _ParamState(dict):
     __hash__ = None
 
     def __setitem__(self, key, value):
-        if key in _layouts.KEYS:
+        if self._held(key):
             self._opt._set_slot(self._index, key, value)
             return
         if key in ("step", "offset"):
@@ -110,13 +110,13 @@ class _ParamState(dict):
         super().__setitem__(key, value)
 
     def __delitem__(self, key):
-        if key in _layouts.KEYS or key in ("step", "offset"):
+        if self._held(key) or key in ("step", "offset"):
             raise TypeError("opt.state[p][%r] cannot be deleted: it is the optimizer's state of the parameter; clear "
                             "opt.state to reset every parameter's moments" % key)
         super().__delitem__(key)
 
     def pop(self, key, *default):
-        if key in self and (key in _layouts.KEYS or key in ("step", "offset")):
+        if key in self and (self._held(key) or key in ("step", "offset")):
             self.__delitem__(key)
         return super().pop(key, *default)
 
@@ -142,7 +142,13 @@ class _ParamState(dict):
 
     def extras(self):
         """The keys a user added."""
-        return {k: v for k, v in dict.items(self) if k not in _layouts.KEYS and k not in ("step", "offset")}
+        return {k: v for k, v in dict.items(self) if not self._held(k) and k not in ("step", "offset")}
+
+    def _held(self, key):
+        """Whether `key` is a slot of the optimizer's state of this parameter: the master and the
+        moments, and the scales of block8 moments where the parameter holds codes (elsewhere a key
+        of that name is the user's own)."""
+        return key in _layouts.SLOTS or (key in _layouts.SCALES and self._opt._layout.blocks[self._index] is not None)
 
 
 class _StateMap(_collections.defaultdict):
@@ -828,9 +834,10 @@ class FusedAdamW(torch.optim.Optimizer):
             if name in ("exp_avg_sq",) + _layouts.SCALES and bool((value < 0).any()):
                 raise ValueError("opt.state[p][%r]: the values must be >= 0" % name)
         if codes and value.dtype != torch.uint8:  # values: encoded to nearest, with their scales
+            values = value.detach().to(self._device, torch.float32).reshape(view.shape)
             with self._lock, torch.no_grad():
                 self._take_pending_weights()
-                stored = self._layout.saved_moment(i, name, {name: value.detach().to(self._device).reshape(view.shape)})
+                stored = self._layout.saved_moment(i, name, {name: values})
                 for key, t in stored.items():
                     self._layout.set_slot(i, key, t)
                 self._versions = self._current_versions()

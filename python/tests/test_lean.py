@@ -549,6 +549,13 @@ def test_block8_state_assigned_cleared_and_refused():
     entry["exp_avg"] = values
     codes, scales = _formats.encode(values, "exp_avg", whole_blocks((20, 300)))
     assert torch.equal(entry["exp_avg"], codes.view(20, 300)) and torch.equal(entry["exp_avg_scale"], scales)
+    entry["exp_avg"] = values.half()  # any floating-point dtype: encoded from its fp32 values
+    codes, scales = _formats.encode(values.half().float(), "exp_avg", whole_blocks((20, 300)))
+    assert torch.equal(entry["exp_avg"], codes.view(20, 300)) and torch.equal(entry["exp_avg_scale"], scales)
+    # Where a parameter holds no codes, a key named like a scale is the user's own, as any other.
+    small = opt.state[params[0]]
+    small["exp_avg_scale"] = "mine"
+    assert opt.state_dict()["state"][0]["exp_avg_scale"] == "mine"
     entry["exp_avg"] = torch.full((20, 300), 200, dtype=U8)
     assert int(entry["exp_avg"].min()) == 200 and torch.equal(entry["exp_avg_scale"], scales)
     for key, value, match in (("exp_avg", torch.zeros(6000, dtype=torch.int32), "takes block8 codes"),
