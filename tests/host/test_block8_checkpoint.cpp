@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -22,6 +23,12 @@ using namespace halfstep;
 using namespace halfstep_test;
 
 namespace {
+
+// Removes a test's checkpoint file when the test case ends, passed or failed.
+struct RemovedAtEnd {
+  std::string path;
+  ~RemovedAtEnd() { std::remove(path.c_str()); }
+};
 
 StepConfig config_with(MomentFormat moments, MasterFormat master = MasterFormat::f32) {
   StepConfig c;
@@ -67,6 +74,7 @@ TEST_CASE("block8 checkpoints: codes and scales stored in their rows resume bit 
   FusedAdamW one(views_of(a, c), c, Backend::reference);
   train(one, a, 4, gen);
   const std::string path = "halfstep_test_block8.safetensors";
+  const RemovedAtEnd removed{path};
   save_checkpoint(one, kNames, path);
   // The file: codes as U8 in the tensor's rows, scales as F32 a row of blocks each; the wide
   // tensor's moments F32.
@@ -137,6 +145,7 @@ TEST_CASE("block8 checkpoints convert to and from fp32 moments on load", "[block
   FusedAdamW one(views_of(a, q), q, Backend::reference);
   train(one, a, 4, gen);
   const std::string path = "halfstep_test_block8_convert.safetensors";
+  const RemovedAtEnd removed{path};
   save_checkpoint(one, kNames, path);
 
   // block8 into fp32 moments: each value decoded exactly, exp_avg_sq squared in double and rounded once.
@@ -159,6 +168,7 @@ TEST_CASE("block8 checkpoints convert to and from fp32 moments on load", "[block
 
   // fp32 moments into block8: each block encoded to nearest, as a step encodes (sqrt for exp_avg_sq).
   const std::string back = "halfstep_test_block8_from_f32.safetensors";
+  const RemovedAtEnd removed_back{back};
   save_checkpoint(two, kNames, back);
   std::mt19937_64 g3(9);
   std::vector<Piece> b = make_pieces(q, kShapes, g3);
@@ -200,6 +210,7 @@ TEST_CASE("block8 checkpoints load into shards of another geometry as its blocks
   FusedAdamW one(views_of(a, c), c, Backend::reference);
   train(one, a, 3, gen);
   const std::string path = "halfstep_test_block8_regeometry.safetensors";
+  const RemovedAtEnd removed{path};
   save_checkpoint(one, {"w"}, path);
   // The values the file holds, decoded in its rows of 300.
   const detail::Block8Geometry stored = detail::block8_geometry(9000, 300);
@@ -254,6 +265,7 @@ TEST_CASE("block8 checkpoints with bad codes or scales are refused by name, noth
   FusedAdamW one(views_of(a, c), c, Backend::reference);
   train(one, a, 2, gen);
   const std::string path = "halfstep_test_block8_bad.safetensors";
+  const RemovedAtEnd removed{path};
   save_checkpoint(one, kNames, path);
   const std::string good = read_file(path);
   std::mt19937_64 g2(11);
