@@ -82,6 +82,8 @@ class Layout:
         # Under block8, each parameter's blocks (_formats.Blocks) as this rank holds it, or None:
         # its shape has none and its moments are fp32 (every parameter, in the other formats).
         self.blocks = [self.shape_blocks(i) if formats.block8 else None for i in range(len(self.params))]
+        # Where a cut inside parameter i may move to (block8's next block start), or None.
+        self.starts = [None if b is None else b.next_start for b in self.blocks]
         self.table = self.rank_table(rank)
         self.pieces = [[] for _ in self.params]  # this rank's (offset, length, at) of each parameter
         for i, off, length, at, _ in self.table:
@@ -320,8 +322,7 @@ class PerParameter(Layout):
             self.state.append(slots)
 
     def rank_table(self, rank):
-        return _sharding.rank_table(self.numels, self.world, rank, self.pg is not None, False,
-                                    [None if b is None else b.next_start for b in self.blocks])
+        return _sharding.rank_table(self.numels, self.world, rank, self.pg is not None, False, self.starts)
 
     def entries(self):
         return [self._row(self.state[i], None if self.fp32 else self.local[i].detach(), off, length, i, in_norm,
@@ -442,8 +443,12 @@ class DTensorShards(PerParameter):
 
 
 class ZeroShard(Layout):
-    """This rank's chunk of the flat parameter space: one flat tensor per slot, the model copy's
-    chunk (fp32: the masters themselves) and a buffer the ranks' chunks are all-gathered into."""
+    """This rank's range of the flat parameter space: one flat tensor per slot, the model copy's
+    range (fp32: the masters themselves) and a buffer the ranks' ranges are all-gathered into.
+    Ranges are ceil(total / world) elements; under block8 a cut inside a parameter with blocks
+    moves to its next block start (_sharding.bounds), each buffer holds the longest range, and the
+    moments are a byte buffer per moment holding each piece at a multiple of 16 bytes (codes, or
+    fp32 where the parameter keeps wide moments), with the pieces' scales one after another."""
 
     sharded = True
     kind = "zero"
@@ -451,10 +456,20 @@ class ZeroShard(Layout):
     def __init__(self, params, group_of, world, rank, pg, formats, carried=None):
         super().__init__(params, group_of, world, rank, pg, formats)
         carried = carried or {}
-        self.chunk = _sharding.chunk_size(sum(self.numels), world)
-        n = max(self.chunk, 1)
+        self.bounds = _sharding.bounds(self.numels, world, self.starts)
+        self.lengths = [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+        self.chunk = max(max(self.lengths), 1)
+        n = self.chunk
         self.flat = {name: torch.zeros(n, dtype=self.formats[name], device=self.device)
                      for name in SLOTS if name != "master" or not self.masterless}
+        if formats.block8:
+            self.places, sizes = self.placements(self.table)
+            for i in range(len(self.params)):
+                self.blocks[i] = self.places[i][2] if i in self.places else None
+            for name in MOMENTS:
+                self.flat[name] = torch.zeros(max(sizes[0], 1), dtype=torch.uint8, device=self.device)
+                self.flat[_formats.SCALE_OF[name]] = torch.zeros(max(sizes[1], 1), dtype=torch.float32,
+                                                                 device=self.device)
         self.model = self.flat["master"] if self.fp32 else torch.zeros(n, dtype=self.dtype, device=self.device)
         if self.masterless:
             self.flat["master"] = self.model  # the model chunk is the weight
@@ -462,19 +477,45 @@ class ZeroShard(Layout):
         weights = [t.detach() for t in self.local]
         for i, off, length, at, _ in self.table:
             slots = carried.get(self.params[i])
-            for name in SLOTS:
-                if slots is not None:
-                    self.flat[name][at:at + length].copy_(slots[name].reshape(-1)[off:off + length])
-                elif name == "master" and not self.remainders:
-                    self.flat[name][at:at + length].copy_(weights[i].reshape(-1)[off:off + length])
+            mine = self.views(i)
+            if slots is not None:
+                mine["master"].copy_(slots["master"].reshape(-1)[off:off + length])
+                for name in MOMENTS:
+                    mine[name].copy_(slots[name].reshape(-1)[off:off + length])
+                    key = _formats.SCALE_OF[name]
+                    if key in mine:
+                        b = self.blocks[i]
+                        mine[key].copy_(slots[key].reshape(-1)[b.first:b.first + b.count])
+            else:
+                if not self.remainders:
+                    mine["master"].copy_(weights[i].reshape(-1)[off:off + length])
+                for name in MOMENTS:
+                    if mine[name].dtype == torch.uint8:
+                        mine[name].fill_(_formats.ZERO_CODE[name])
             if not self.fp32:
                 self.model[at:at + length].copy_(weights[i].reshape(-1)[off:off + length])
 
+    def placements(self, table):
+        """Under block8, where each piece of a rank's table lies in the moment buffers: {parameter
+        index: (byte offset, first scale, the piece's Blocks or None)}, and the buffers' sizes
+        (bytes, scales)."""
+        places, byte, scale = {}, 0, 0
+        for i, off, length, _, _ in table:
+            p = self.params[i]
+            b = _formats.blocks(p.shape, p.numel(), length, off) if self.blocks[i] is not None or \
+                self.starts[i] is not None else None
+            if b is not None:
+                b = b._replace(scale_shape=(b.count,))  # a piece of a flat range: its scales in a row
+            places[i] = (byte, scale, b)
+            byte += -(-(length * (1 if b is not None else 4)) // 16) * 16
+            scale += b.count if b is not None else 0
+        return places, (byte, scale)
+
     def rank_table(self, rank):
-        return _sharding.rank_table(self.numels, self.world, rank, True, True)
+        return _sharding.rank_table(self.numels, self.world, rank, True, True, self.starts)
 
     def entries(self):
-        return [self._row(self.flat, None if self.fp32 else self.model, at, length, i, in_norm, off)
+        return [self._row(self.views(i), None if self.fp32 else self.model[at:at + length], 0, length, i, in_norm, off)
                 for i, off, length, at, in_norm in self.table]
 
     def views(self, i):
@@ -482,8 +523,25 @@ class ZeroShard(Layout):
         and where it starts in p.view(-1)."""
         out = {}
         for off, length, at in self.pieces[i]:
-            out = {name: self.flat[name][at:at + length] for name in SLOTS}
+            out = {"master": self.flat["master"][at:at + length]}
+            out.update(self.moment_views(i, length, at, self.flat, self.places if self.state_formats.block8 else None))
             out["offset"] = off
+        return out
+
+    def moment_views(self, i, length, at, flat, places):
+        """Parameter i's moments (and scales) in buffers `flat` laid out by `places` (block8), or
+        at element `at` of typed buffers."""
+        if places is None:
+            return {name: flat[name][at:at + length] for name in MOMENTS}
+        byte, scale, b = places[i]
+        out = {}
+        for name in MOMENTS:
+            if b is None:
+                out[name] = flat[name][byte:byte + 4 * length].view(torch.float32)
+            else:
+                out[name] = flat[name][byte:byte + length]
+                key = _formats.SCALE_OF[name]
+                out[key] = flat[key][scale:scale + b.count]
         return out
 
     def model_of(self, i):
@@ -497,19 +555,55 @@ class ZeroShard(Layout):
         return False
 
     def carried(self):
-        """Every parameter's slots in full (the ranks all-gather their chunks: a collective). The
-        remainders belong to the parameters' values, which every rank holds after each step."""
-        whole = {}
-        for name in SLOTS:
-            parts = [torch.empty_like(self.flat[name]) for _ in range(self.world)]
-            if self.flat[name].dtype == torch.bfloat16 or self.flat[name].dtype == torch.int16:
-                bits = [x.view(torch.uint8) for x in parts]  # (gloo reduces no bfloat16)
-                _dist.all_gather(bits, self.flat[name].view(torch.uint8), group=self.pg)
+        """Every parameter's slots in full (the ranks all-gather their buffers, each padded to the
+        longest: a collective). The remainders belong to the parameters' values, which every rank
+        holds after each step."""
+        tables = [self.rank_table(r) for r in range(self.world)]
+        layouts = [self.placements(t) if self.state_formats.block8 else (None, None) for t in tables]
+        parts = {}
+        for name, mine in self.flat.items():
+            size = mine.numel()
+            if self.state_formats.block8 and name != "master":
+                size = max(max(1, (sizes[0] if name in MOMENTS else sizes[1])) for _, sizes in layouts)
+            padded = torch.zeros(size, dtype=mine.dtype, device=self.device)
+            padded[:mine.numel()].copy_(mine)
+            got = [torch.empty_like(padded) for _ in range(self.world)]
+            if padded.dtype in (torch.bfloat16, torch.int16):
+                _dist.all_gather([x.view(torch.uint8) for x in got], padded.view(torch.uint8), group=self.pg)  # (gloo
+                # reduces no bfloat16)
             else:
-                _dist.all_gather(parts, self.flat[name], group=self.pg)
-            whole[name] = torch.cat(parts)
-        return {p: {name: f[at:at + p.numel()].clone().view(p.shape) for name, f in whole.items()}
-                for p, at in zip(self.params, self.offsets)}
+                _dist.all_gather(got, padded, group=self.pg)
+            parts[name] = got
+        out = {}
+        for i, p in enumerate(self.params):
+            whole = {"master": torch.empty(p.numel(), dtype=self.flat["master"].dtype, device=self.device)}
+            shape_blocks = self.shape_blocks(i) if self.state_formats.block8 else None
+            for name in MOMENTS:
+                whole[name] = torch.empty(p.numel(), dtype=self.moment_dtype_whole(name, shape_blocks),
+                                          device=self.device)
+                if shape_blocks is not None:
+                    whole[_formats.SCALE_OF[name]] = torch.zeros(shape_blocks.count, dtype=torch.float32,
+                                                                 device=self.device)
+            for r, table in enumerate(tables):
+                for j, off, length, at, _ in table:
+                    if j != i:
+                        continue
+                    whole["master"][off:off + length].copy_(parts["master"][r][at:at + length])
+                    got = self.moment_views(i, length, at, {k: v[r] for k, v in parts.items()}, layouts[r][0])
+                    for name in MOMENTS:
+                        whole[name][off:off + length].copy_(got[name])
+                        key = _formats.SCALE_OF[name]
+                        if key in got:
+                            b = layouts[r][0][i][2]
+                            whole[key][b.first:b.first + b.count].copy_(got[key])
+            out[p] = {k: v.view(p.shape) if k in SLOTS else v.view(shape_blocks.scale_shape) for k, v in whole.items()}
+        return out
+
+    def moment_dtype_whole(self, name, shape_blocks):
+        """The dtype a parameter's whole moment is kept in (block8: codes where its shape has blocks)."""
+        if self.state_formats.block8:
+            return torch.uint8 if shape_blocks is not None else torch.float32
+        return self.formats[name]
 
     def take(self, i):
         flat = self.local[i].detach().reshape(-1)
@@ -520,7 +614,7 @@ class ZeroShard(Layout):
     def set_slot(self, i, name, value):
         for off, length, at in self.pieces[i]:
             if name != "master":
-                self.flat[name][at:at + length].copy_(value.reshape(-1))
+                self.views(i)[name].copy_(value.reshape(-1))
                 continue
             self.write_master(i, value.reshape(-1))
             # the parameter's piece, as the step's gather writes it
@@ -553,11 +647,15 @@ class ZeroShard(Layout):
         self.after_step()
 
     def after_step(self):
-        """Every rank's chunk of the model copy into every parameter."""
+        """Every rank's range of the model copy into every parameter."""
         parts = list(self.gathered.view(torch.uint8).chunk(self.world))
         _dist.all_gather(parts, self.model.view(torch.uint8), group=self.pg)
+        flat = self.gathered
+        if any(length != self.chunk for length in self.lengths[:-1]):  # ranges of several lengths (block8's cuts)
+            flat = torch.cat([self.gathered[r * self.chunk:r * self.chunk + length]
+                              for r, length in enumerate(self.lengths)])
         for p, at in zip(self.params, self.offsets):
-            p.detach().view(-1).copy_(self.gathered[at:at + p.numel()])
+            p.detach().view(-1).copy_(flat[at:at + p.numel()])
 
     def pieces_of_chunk(self, chunk):
         """{parameter index: {slot: its piece}} of a whole chunk of this rank ({slot: fp32 tensor}:
@@ -572,10 +670,5 @@ def build(params, group_of, world, rank, pg, mesh, shard, formats, carried=None)
     if mesh is not None:
         return DTensorShards(params, group_of, world, rank, pg, formats, carried)
     if shard:
-        if formats.block8:
-            raise ValueError("shard=True with exp_avg_dtype=torch.uint8: ZeRO-1 cuts the flat parameter space "
-                             "anywhere, and block8 moments need each cut where a block starts; FusedAdamW does not "
-                             "offer that yet (the C++ API's even_shard does). Use shard=False (every rank keeps all "
-                             "of the state), or FSDP2 (fully_shard), whose row cuts keep blocks whole")
         return ZeroShard(params, group_of, world, rank, pg, formats, carried)
     return PerParameter(params, group_of, world, rank, pg, formats, carried)

@@ -294,7 +294,7 @@ class FusedAdamW(torch.optim.Optimizer):
         parameters of at least 4096 elements with rows of at least 32 (the others keep fp32
         moments: the rule reads the whole parameter's shape, so any mesh gives the same state).
         exp_avg is stored to nearest, the square root of exp_avg_sq with the rounding below.
-        shard=True is not offered with it yet.
+        On a process group, cuts move to where blocks start (ZeRO-1's ranges too).
     rounding: how bfloat16 moments (and weights without a master) are stored: 'stochastic' (the
         default: unbiased, so that exp_avg_sq and the weights keep moving when a step's change is
         below half a bf16 ulp; its bits a hash of seed, step, parameter and element, the same on

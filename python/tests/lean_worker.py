@@ -5,7 +5,7 @@ usage: lean_worker.py RANK WORLD MODE INIT_FILE OUT_FILE [CHECKPOINT_DIR [OTHER_
 
 MODE zero: plain bfloat16 parameters, ZeRO-1 (shard=True) and replicated (shard=False), STEPS steps
 of the same gradients on every rank (an inf in one step), with remainders, without a master, and
-with 8-bit moments (replicated only).
+with 8-bit moments (ZeRO-1's cuts, and the replicated ones, moved to block starts).
 MODE fsdp: a bfloat16 model under FSDP2 (fully_shard) on a 1-D mesh of WORLD ranks, STEPS steps on
 the same batch everywhere in every format, the remainder and the master-free states saved with
 torch.distributed.checkpoint into CHECKPOINT_DIR/<format> and, given OTHER_CHECKPOINT_DIR (written
@@ -58,10 +58,35 @@ def train(params, opt, steps=range(STEPS)):
 
 def zero(out, world):
     for name in SAVED:
-        for shard in (True, False) if name != "block8" else (False,):  # (ZeRO-1 refuses block8)
+        for shard in (True, False):
             params = fresh_params(SHAPES, torch.bfloat16, seed=5)
             opt = make(params, dist.group.WORLD, shard, **FORMATS[name])
             out[name, shard] = dict(reports=train(params, opt), params=[p.detach().clone() for p in params])
+
+
+def zero_block8_resume(out):
+    """ZeRO-1 with 8-bit moments: a rank's state_dict (its pieces' codes and scales) resumes bit for
+    bit on the same rank, and a rebuild (add_param_group) carries every rank's codes and scales."""
+    params = fresh_params(SHAPES, torch.bfloat16, seed=5)
+    opt = make(params, dist.group.WORLD, True, **BLOCK8)
+    train(params, opt, range(4))
+    saved, at_save = opt.state_dict(), [p.detach().clone() for p in params]
+    straight = train(params, opt, range(4, 7))
+    fresh = [torch.nn.Parameter(t.clone()) for t in at_save]
+    again = make(fresh, dist.group.WORLD, True, **BLOCK8)
+    again.load_state_dict(saved)
+    resumed = train(fresh, again, range(4, 7))
+    out["block8 resume"] = dict(same_reports=resumed == straight,
+                                same_params=all(torch.equal(a, b) for a, b in zip(params, fresh)))
+    held = [v for p in fresh for k, v in again.state[p].items() if isinstance(v, torch.Tensor) and k != "step"]
+    out["block8 held codes"] = sum(int(v.dtype == torch.uint8) for v in held)
+    # The whole state (every rank's pieces gathered) before and after a rebuild over one more
+    # parameter, whose ranges cut the flat space elsewhere.
+    before = again._layout.carried()
+    again.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(300, 20, dtype=torch.bfloat16))], lr=1e-3))
+    after = again._layout.carried()
+    out["block8 carried"] = all(torch.equal(v, after[p][k]) for p, e in before.items() for k, v in e.items())
+    out["block8 carried codes"] = sum(int(v.dtype == torch.uint8) for e in before.values() for v in e.values())
 
 
 IN, HIDDEN, OUT, BATCH = 300, 24, 5, 8  # the first weight, 24 x 300, holds block8 codes
@@ -162,6 +187,7 @@ def main():
     out = {}
     if mode == "zero":
         zero(out, world)
+        zero_block8_resume(out)
     else:
         fsdp(out, world, sys.argv[6], sys.argv[7] if len(sys.argv) > 7 else None)
     torch.save(out, sys.argv[5])

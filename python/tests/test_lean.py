@@ -237,18 +237,22 @@ def test_zero1_and_replicated_lean_state_steps_bitwise_like_one_process(world, t
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     results = launch(world, "zero", tmp_path)
-    for name in W.SAVED:  # remainders, no master, and 8-bit moments (replicated: cut where blocks start)
+    for name in W.SAVED:  # remainders, no master, and 8-bit moments (cut where blocks start)
         params = fresh_params(W.SHAPES, BF16, seed=5)
         opt = W.make(params, None, None, **W.FORMATS[name])
         reports = [without(r) for r in W.train(params, opt)]
         assert [r["outcome"] for r in reports].count("applied") == W.STEPS - 1
-        for shard in (True, False) if name != "block8" else (False,):
+        for shard in (True, False):
             # (Replicated, every rank holding the inf counts it: nonfinite_count is the world's.)
             mine = ("held_elements", "first_nonfinite_rank") + (() if shard else ("nonfinite_count",))
             for r in results:
                 got = r[name, shard]
                 assert [without(x, *mine) for x in got["reports"]] == [without(x, *mine) for x in reports], (name, shard)
                 assert same(got["params"], [p.detach() for p in params]), (name, shard)
+    for r in results:  # ZeRO-1 with 8-bit moments: resumed from each rank's state_dict, and rebuilt
+        assert r["block8 resume"] == dict(same_reports=True, same_params=True)
+        assert r["block8 carried"] and r["block8 carried codes"] == 2  # the (20, 300) weight's two moments
+    assert sum(r["block8 held codes"] for r in results) >= 2  # the (20, 300) weight's pieces hold codes
 
 
 try:
@@ -570,10 +574,6 @@ def test_block8_state_assigned_cleared_and_refused():
     for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
         assert torch.equal(opt.state[p][key], fresh.state[fresh.param_groups[-1]["params"][-1]][key]), key
     assert int(opt.state[p]["exp_avg"][0, 0]) == 127
-    # ZeRO-1 is not offered with block8 yet, and says so.
-    with pytest.raises(ValueError, match="shard=True with exp_avg_dtype=torch.uint8"):
-        from halfstep import _layouts
-        _layouts.build(params, [0] * len(params), 2, 0, None, None, True, opt._formats)
     # state_dicts: codes without their scales, scales of the wrong shape, codes for a tensor that
     # has no blocks: refused by name, nothing loaded.
     last = len(params) - 1
