@@ -502,8 +502,7 @@ class ZeroShard(Layout):
         places, byte, scale = {}, 0, 0
         for i, off, length, _, _ in table:
             p = self.params[i]
-            b = _formats.blocks(p.shape, p.numel(), length, off) if self.blocks[i] is not None or \
-                self.starts[i] is not None else None
+            b = _formats.blocks(p.shape, p.numel(), length, off) if self.starts[i] is not None else None
             if b is not None:
                 b = b._replace(scale_shape=(b.count,))  # a piece of a flat range: its scales in a row
             places[i] = (byte, scale, b)
