@@ -106,7 +106,7 @@ class Layout:
         """The dtype parameter i's moment `name` is stored in (block8 codes, or fp32 where its
         shape has no blocks)."""
         if self.state_formats.block8:
-            return torch.uint8 if self.blocks[i] is not None else torch.float32
+            return torch.uint8 if self.starts[i] is not None else torch.float32
         return self.formats[name]
 
     def new_moments(self, i, shape):
@@ -456,9 +456,8 @@ class ZeroShard(Layout):
     def __init__(self, params, group_of, world, rank, pg, formats, carried=None):
         super().__init__(params, group_of, world, rank, pg, formats)
         carried = carried or {}
-        self.bounds = _sharding.bounds(self.numels, world, self.starts)
-        self.lengths = [b - a for a, b in zip(self.bounds, self.bounds[1:])]
-        self.chunk = max(max(self.lengths), 1)
+        bounds = _sharding.bounds(self.numels, world, self.starts)
+        self.chunk = max(max(b - a for a, b in zip(bounds, bounds[1:])), 1)  # the longest range
         n = self.chunk
         self.flat = {name: torch.zeros(n, dtype=self.formats[name], device=self.device)
                      for name in SLOTS if name != "master" or not self.masterless}
@@ -474,6 +473,9 @@ class ZeroShard(Layout):
         if self.masterless:
             self.flat["master"] = self.model  # the model chunk is the weight
         self.gathered = torch.zeros(n * world, dtype=self.dtype, device=self.device)
+        # What after_step copies out of the gathered ranges (rank r's at r * n): each rank's pieces.
+        self.gather_copies = [(i, off, length, r * n + at) for r in range(world)
+                              for i, off, length, at, _ in self.rank_table(r)]
         weights = [t.detach() for t in self.local]
         for i, off, length, at, _ in self.table:
             slots = carried.get(self.params[i])
@@ -573,36 +575,29 @@ class ZeroShard(Layout):
             else:
                 _dist.all_gather(got, padded, group=self.pg)
             parts[name] = got
-        out = {}
+        wholes = []
         for i, p in enumerate(self.params):
             whole = {"master": torch.empty(p.numel(), dtype=self.flat["master"].dtype, device=self.device)}
-            shape_blocks = self.shape_blocks(i) if self.state_formats.block8 else None
             for name in MOMENTS:
-                whole[name] = torch.empty(p.numel(), dtype=self.moment_dtype_whole(name, shape_blocks),
-                                          device=self.device)
-                if shape_blocks is not None:
-                    whole[_formats.SCALE_OF[name]] = torch.zeros(shape_blocks.count, dtype=torch.float32,
+                whole[name] = torch.empty(p.numel(), dtype=self.moment_dtype(i, name), device=self.device)
+                if self.starts[i] is not None:
+                    whole[_formats.SCALE_OF[name]] = torch.zeros(self.shape_blocks(i).count, dtype=torch.float32,
                                                                  device=self.device)
-            for r, table in enumerate(tables):
-                for j, off, length, at, _ in table:
-                    if j != i:
-                        continue
-                    whole["master"][off:off + length].copy_(parts["master"][r][at:at + length])
-                    got = self.moment_views(i, length, at, {k: v[r] for k, v in parts.items()}, layouts[r][0])
-                    for name in MOMENTS:
-                        whole[name][off:off + length].copy_(got[name])
-                        key = _formats.SCALE_OF[name]
-                        if key in got:
-                            b = layouts[r][0][i][2]
-                            whole[key][b.first:b.first + b.count].copy_(got[key])
-            out[p] = {k: v.view(p.shape) if k in SLOTS else v.view(shape_blocks.scale_shape) for k, v in whole.items()}
-        return out
+            wholes.append(whole)
+        for r, table in enumerate(tables):
+            for i, off, length, at, _ in table:
+                whole = wholes[i]
+                whole["master"][off:off + length].copy_(parts["master"][r][at:at + length])
+                got = self.moment_views(i, length, at, {k: v[r] for k, v in parts.items()}, layouts[r][0])
+                for name in MOMENTS:
+                    whole[name][off:off + length].copy_(got[name])
+                    key = _formats.SCALE_OF[name]
+                    if key in got:
+                        b = layouts[r][0][i][2]
+                        whole[key][b.first:b.first + b.count].copy_(got[key])
+        return {p: {k: v.view(p.shape) if k in SLOTS else v.view(self.shape_blocks(i).scale_shape)
+                    for k, v in whole.items()} for i, (p, whole) in enumerate(zip(self.params, wholes))}
 
-    def moment_dtype_whole(self, name, shape_blocks):
-        """The dtype a parameter's whole moment is kept in (block8: codes where its shape has blocks)."""
-        if self.state_formats.block8:
-            return torch.uint8 if shape_blocks is not None else torch.float32
-        return self.formats[name]
 
     def take(self, i):
         flat = self.local[i].detach().reshape(-1)
@@ -649,12 +644,8 @@ class ZeroShard(Layout):
         """Every rank's range of the model copy into every parameter."""
         parts = list(self.gathered.view(torch.uint8).chunk(self.world))
         _dist.all_gather(parts, self.model.view(torch.uint8), group=self.pg)
-        flat = self.gathered
-        if any(length != self.chunk for length in self.lengths[:-1]):  # ranges of several lengths (block8's cuts)
-            flat = torch.cat([self.gathered[r * self.chunk:r * self.chunk + length]
-                              for r, length in enumerate(self.lengths)])
-        for p, at in zip(self.params, self.offsets):
-            p.detach().view(-1).copy_(flat[at:at + p.numel()])
+        for i, off, length, src in self.gather_copies:
+            self.params[i].detach().view(-1)[off:off + length].copy_(self.gathered[src:src + length])
 
     def pieces_of_chunk(self, chunk):
         """{parameter index: {slot: its piece}} of a whole chunk of this rank ({slot: fp32 tensor}:
