@@ -1,6 +1,6 @@
 // The CPU engine: the same mixed-precision network as the CUDA engine, with matrix products on
-// fp16-rounded operands (fp32 accumulation) in a fixed order of its own, and halfstep's reference
-// backend doing the optimizer step.
+// operands rounded to the 16-bit format (fp16, or bf16 with --precision bf16; fp32 accumulation)
+// in a fixed order of its own, and halfstep's reference backend doing the optimizer step.
 //
 // The products are not left to a BLAS: OpenBLAS picks its kernels by CPU type, and their
 // summation orders differ (blocking, vector width, FMA or not), so the same run ended at another
@@ -17,8 +17,6 @@
 
 namespace train {
 namespace {
-
-using halfstep::to_f16_bits;
 
 // C = X Y for row-major X (m x k), Y (k x n) and C (m x n). Each element is the sum over p of
 // X[i][p] * Y[p][j], added in ascending order of p to an fp32 accumulator that starts at zero.
@@ -68,23 +66,25 @@ void transpose(int rows, int cols, const float* a, float* t) {
   }
 }
 
-// Decodes fp16 bit patterns through a table built once from halfstep's exact conversion.
-const std::vector<float>& f16_table() {
-  static const std::vector<float> table = [] {
+// Decodes the bit patterns of `dtype` (f16 or bf16) through a table built once from halfstep's
+// exact conversion.
+const std::vector<float>& decode_table(halfstep::DType dtype) {
+  const auto build = [](halfstep::DType d) {
     std::vector<float> t(65536);
     for (std::uint32_t b = 0; b < 65536; ++b) {
-      t[b] = static_cast<float>(halfstep::from_f16_bits(static_cast<std::uint16_t>(b)));
+      t[b] = static_cast<float>(halfstep::from_bits16(d, static_cast<std::uint16_t>(b)));
     }
     return t;
-  }();
-  return table;
+  };
+  static const std::vector<float> f16 = build(halfstep::DType::f16), bf16 = build(halfstep::DType::bf16);
+  return dtype == halfstep::DType::bf16 ? bf16 : f16;
 }
 
 class CpuEngine final : public Engine {
  public:
   CpuEngine(const Dims& dims, const Dataset& data, const std::vector<std::vector<float>>& masters,
             std::int64_t steps, const halfstep::StepConfig& config)
-      : dims_(dims), data_(data), losses_(static_cast<std::size_t>(steps), NAN) {
+      : dims_(dims), data_(data), dtype_(config.model_dtype), losses_(static_cast<std::size_t>(steps), NAN) {
     const auto shapes = tensor_shapes(dims);
     std::size_t total = 0;
     for (const TensorShape& t : shapes) total += static_cast<std::size_t>(t.numel);
@@ -93,17 +93,18 @@ class CpuEngine final : public Engine {
     std::size_t at = 0;
     for (std::size_t t = 0; t < shapes.size(); ++t) {
       Param p;
-      p.master = masters[t];
+      InitialState init = initial_state(config, masters[t]);
+      p.master = std::move(init.master);
       p.shape = shapes[t];
+      p.n = masters[t].size();
       // Zero in every moment format (block8: scales of 0 decode every code to 0).
-      p.m.assign(p.master.size() * slot_bytes(config, halfstep::Slot::exp_avg, shapes[t]), 0);
-      p.v.assign(p.master.size() * slot_bytes(config, halfstep::Slot::exp_avg_sq, shapes[t]), 0);
+      p.m.assign(p.n * slot_bytes(config, halfstep::Slot::exp_avg, shapes[t]), 0);
+      p.v.assign(p.n * slot_bytes(config, halfstep::Slot::exp_avg_sq, shapes[t]), 0);
       p.m_scale.assign(scale_count(config, shapes[t]), 0.0f);
       p.v_scale.assign(p.m_scale.size(), 0.0f);
-      p.n = p.master.size();
       p.grad = flat_grad_.data() + at;
       p.model = flat_model_.data() + at;
-      for (std::size_t i = 0; i < p.n; ++i) p.model[i] = to_f16_bits(p.master[i]);
+      std::copy(init.model.begin(), init.model.end(), p.model);
       p.group = shapes[t].group;
       at += p.n;
       params_.push_back(std::move(p));
@@ -129,8 +130,8 @@ class CpuEngine final : public Engine {
   std::vector<halfstep::ParamTensor> tensors() override {
     std::vector<halfstep::ParamTensor> out;
     for (Param& p : params_) {
-      out.push_back({p.master.data(), p.grad, p.m.data(), p.v.data(), p.model,
-                     static_cast<std::int64_t>(p.master.size()), p.group});
+      out.push_back({p.master.empty() ? nullptr : p.master.data(), p.grad, p.m.data(), p.v.data(), p.model,
+                     static_cast<std::int64_t>(p.n), p.group});
       out.back().row = p.shape.row;
       out.back().exp_avg_scale = p.m_scale.empty() ? nullptr : p.m_scale.data();
       out.back().exp_avg_sq_scale = p.v_scale.empty() ? nullptr : p.v_scale.data();
@@ -141,22 +142,24 @@ class CpuEngine final : public Engine {
   std::uint16_t* flat_model() override { return flat_model_.data(); }
 
   void forward_backward(std::int64_t step, const halfstep::FusedAdamW& opt, float grad_factor) override {
-    const std::vector<float>& f16 = f16_table();
+    const std::vector<float>& value = decode_table(dtype_);
+    const halfstep::DType dtype = dtype_;
+    const auto round = [dtype](float x) { return halfstep::to_bits16(dtype, x); };  // to nearest
     const int B = dims_.batch, L = dims_.layers();
     const auto row0 = static_cast<std::size_t>(dims_.first_row(step));
 
-    // The model copy as the products see it: fp16 weights, and their transposes for the forward
+    // The model copy as the products see it: 16-bit weights, and their transposes for the forward
     // pass.
     for (int l = 0; l < L; ++l) {
       const Param& w = params_[static_cast<std::size_t>(2 * l)];
       std::vector<float>& weight = weights_[static_cast<std::size_t>(l)];
       weight.resize(w.n);
-      for (std::size_t i = 0; i < w.n; ++i) weight[i] = f16[w.model[i]];
+      for (std::size_t i = 0; i < w.n; ++i) weight[i] = value[w.model[i]];
       weights_t_[static_cast<std::size_t>(l)].resize(w.n);
       transpose(dims_.fan_out(l), dims_.fan_in(l), weight.data(), weights_t_[static_cast<std::size_t>(l)].data());
     }
 
-    // Forward: Z = A W^T + b; hidden layers store fp16(relu(Z)), the last layer stays fp32.
+    // Forward: Z = A W^T + b; hidden layers store relu(Z) rounded to 16 bits, the last layer stays fp32.
     std::copy_n(&data_.x[row0 * static_cast<std::size_t>(dims_.d_in)],
                 static_cast<std::size_t>(B) * static_cast<std::size_t>(dims_.d_in), acts_[0].begin());
     for (int l = 0; l < L; ++l) {
@@ -169,13 +172,13 @@ class CpuEngine final : public Engine {
       for (int r = 0; r < B; ++r) {
         for (int c = 0; c < out; ++c) {
           float& x = z[static_cast<std::size_t>(r) * static_cast<std::size_t>(out) + static_cast<std::size_t>(c)];
-          x += f16[bias[static_cast<std::size_t>(c)]];
-          if (!last) x = f16[to_f16_bits(std::max(x, 0.0f))];
+          x += value[bias[static_cast<std::size_t>(c)]];
+          if (!last) x = value[round(std::max(x, 0.0f))];
         }
       }
     }
 
-    // Loss (fp32 mean squared error) and its gradient, seeded with the loss scale, in fp16.
+    // Loss (fp32 mean squared error) and its gradient, seeded with the loss scale, in 16 bits.
     const float scale = *opt.device_loss_scale() * grad_factor;
     const std::vector<float>& pred = acts_[static_cast<std::size_t>(L)];
     const std::size_t n_out = static_cast<std::size_t>(B) * static_cast<std::size_t>(dims_.d_out);
@@ -185,30 +188,30 @@ class CpuEngine final : public Engine {
     for (std::size_t i = 0; i < n_out; ++i) {
       const float e = pred[i] - target[i];
       loss += static_cast<double>(e) * e;
-      g16[i] = to_f16_bits(scale * (2.0f * e / static_cast<float>(n_out)));
+      g16[i] = round(scale * (2.0f * e / static_cast<float>(n_out)));
     }
     losses_[static_cast<std::size_t>(step)] = static_cast<float>(loss / static_cast<double>(n_out));
-    for (std::size_t i = 0; i < n_out; ++i) grad_a_[i] = f16[g16[i]];
+    for (std::size_t i = 0; i < n_out; ++i) grad_a_[i] = value[g16[i]];
 
     // Backward, from the last layer down: dW = G^T A and db = sum over the batch, both written
-    // in fp16; dA = G W, masked by the ReLU, rounded to fp16.
+    // in 16 bits; dA = G W, masked by the ReLU, rounded to 16 bits.
     for (int l = L - 1; l >= 0; --l) {
       const int in = dims_.fan_in(l), out = dims_.fan_out(l);
       Param& w = params_[static_cast<std::size_t>(2 * l)];
       Param& b = params_[static_cast<std::size_t>(2 * l + 1)];
       transpose(B, out, grad_a_.data(), grad_t_.data());
       product(out, in, B, grad_t_.data(), acts_[static_cast<std::size_t>(l)].data(), scratch_.data());
-      for (std::size_t i = 0; i < w.n; ++i) w.grad[i] = to_f16_bits(scratch_[i]);
+      for (std::size_t i = 0; i < w.n; ++i) w.grad[i] = round(scratch_[i]);
       for (int c = 0; c < out; ++c) {
         float sum = 0.0f;
         for (int r = 0; r < B; ++r) sum += grad_a_[static_cast<std::size_t>(r) * static_cast<std::size_t>(out) + static_cast<std::size_t>(c)];
-        b.grad[static_cast<std::size_t>(c)] = to_f16_bits(sum);
+        b.grad[static_cast<std::size_t>(c)] = round(sum);
       }
       if (l == 0) break;
       product(B, in, out, grad_a_.data(), weights_[static_cast<std::size_t>(l)].data(), grad_b_.data());
       const std::vector<float>& a = acts_[static_cast<std::size_t>(l)];
       for (std::size_t i = 0; i < static_cast<std::size_t>(B) * static_cast<std::size_t>(in); ++i) {
-        grad_b_[i] = a[i] > 0.0f ? f16[to_f16_bits(grad_b_[i])] : 0.0f;
+        grad_b_[i] = a[i] > 0.0f ? value[round(grad_b_[i])] : 0.0f;
       }
       std::swap(grad_a_, grad_b_);
     }
@@ -222,7 +225,7 @@ class CpuEngine final : public Engine {
 
  private:
   struct Param {
-    std::vector<float> master;
+    std::vector<unsigned char> master;  // in its format (InitialState); empty without a master
     std::vector<unsigned char> m, v;  // the moments in their format
     std::vector<float> m_scale, v_scale;  // block8: a scale per block
     TensorShape shape{};
@@ -233,6 +236,7 @@ class CpuEngine final : public Engine {
   };
   Dims dims_;
   const Dataset& data_;
+  halfstep::DType dtype_;  // the model copy's, the activations' and the gradients' format
   std::vector<Param> params_;
   std::vector<std::uint16_t> flat_grad_, flat_model_;
   std::vector<std::vector<float>> acts_, weights_, weights_t_;

@@ -39,14 +39,11 @@ class SingleTrainer final : public Trainer {
   halfstep::FusedAdamW opt_;
 };
 
-// Decodes fp16 bit patterns exactly.
-float f16(std::uint16_t bits) { return static_cast<float>(halfstep::from_f16_bits(bits)); }
-
 // One rank's shard of the optimizer state: its range of the flat parameter space in five flat
 // buffers, and the optimizer over them.
 struct HostShard {
   std::int64_t begin = 0, end = 0;
-  std::vector<float> master;
+  std::vector<unsigned char> master;  // in its format (slot_layouts); empty without a master
   std::vector<unsigned char> exp_avg, exp_avg_sq;  // the moments in their format (shard_state's bytes)
   std::vector<float> exp_avg_scale, exp_avg_sq_scale;  // block8: the pieces' block scales
   std::vector<std::uint16_t> grad, model;
@@ -54,7 +51,7 @@ struct HostShard {
   std::unique_ptr<halfstep::FusedAdamW> opt;
   halfstep::ParamTensor flat() {
     halfstep::ParamTensor p;
-    p.master = master.data();
+    p.master = master.empty() ? nullptr : master.data();
     p.grad = grad.data();
     p.exp_avg = exp_avg.data();
     p.exp_avg_sq = exp_avg_sq.data();
@@ -71,18 +68,20 @@ class HostRanks final : public Trainer {
   HostRanks(std::vector<std::unique_ptr<Engine>> engines, const halfstep::StepConfig& config)
       : engines_(std::move(engines)), config_(config) {
     const int n = static_cast<int>(engines_.size());
-    // The layout and the initial masters, from rank 0's engine (every engine starts alike).
-    std::vector<float> masters;
+    // The layout and the initial masters in their format, from rank 0's engine (every engine
+    // starts alike).
+    const std::size_t master_bytes = slot_bytes(config_, halfstep::Slot::master);
+    std::vector<unsigned char> masters;
     for (const halfstep::ParamTensor& t : engines_[0]->tensors()) {
       halfstep::ParamTensor shape;
       shape.numel = t.numel;
       shape.group = t.group;
       shape.row = t.row;  // where block8's blocks lie
       layout_.push_back(shape);
-      const auto* m = static_cast<const float*>(t.master);
-      masters.insert(masters.end(), m, m + t.numel);
+      total_ += t.numel;
+      const auto* m = static_cast<const unsigned char*>(t.master);
+      if (m != nullptr) masters.insert(masters.end(), m, m + static_cast<std::size_t>(t.numel) * master_bytes);
     }
-    total_ = static_cast<std::int64_t>(masters.size());
     shards_.resize(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) {
       HostShard& s = shards_[static_cast<std::size_t>(r)];
@@ -90,7 +89,8 @@ class HostRanks final : public Trainer {
       std::tie(s.begin, s.end) = halfstep::even_shard(layout_, config_, n, r);
       const auto len = static_cast<std::size_t>(s.end - s.begin);
       const halfstep::ShardState sizes = halfstep::shard_state(layout_, s.begin, s.end, config_);
-      s.master.assign(masters.begin() + s.begin, masters.begin() + s.end);
+      s.master.assign(masters.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(s.begin) * master_bytes),
+                      masters.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(s.end) * master_bytes));
       // Zero in every format (block8: scales of 0 decode every code to 0).
       s.exp_avg.assign(static_cast<std::size_t>(sizes.exp_avg_bytes), 0);
       s.exp_avg_sq.assign(static_cast<std::size_t>(sizes.exp_avg_sq_bytes), 0);
@@ -117,12 +117,13 @@ class HostRanks final : public Trainer {
     const std::size_t n = engines_.size();
     for (std::size_t r = 0; r < n; ++r) engines_[r]->forward_backward(step, *shards_[r].opt, grad_factor);
     // Reduce-scatter: each rank's range of the average of every rank's gradients, summed in fp32
-    // in rank order and rounded once to fp16.
+    // in rank order and rounded once to the gradients' format.
+    const halfstep::DType dtype = config_.grad_dtype;
     for (HostShard& s : shards_) {
       for (std::int64_t i = s.begin; i < s.end; ++i) {
         float sum = 0.0f;
-        for (const auto& e : engines_) sum += f16(e->flat_grads()[i]);
-        s.grad[static_cast<std::size_t>(i - s.begin)] = halfstep::to_f16_bits(sum / static_cast<float>(n));
+        for (const auto& e : engines_) sum += static_cast<float>(halfstep::from_bits16(dtype, e->flat_grads()[i]));
+        s.grad[static_cast<std::size_t>(i - s.begin)] = halfstep::to_bits16(dtype, sum / static_cast<float>(n));
       }
     }
     // One verdict: every rank's record reduced, every rank decides from the result.
@@ -158,54 +159,9 @@ class HostRanks final : public Trainer {
 
   void save(const std::vector<std::string>& names, const std::string& path,
             const halfstep::CheckpointOptions& options) override {
-    // The shards gathered into whole tensors, saved by an optimizer built on them with the state
-    // every rank holds. Each piece's buffers go to its place in its tensor: elements at its offset
-    // (at each slot's element size: block8 codes, or fp32 moments where a tensor keeps them),
-    // block scales at its first block.
-    struct Whole {
-      std::vector<unsigned char> slot[halfstep::kSlotCount];
-      std::vector<float> exp_avg_scale, exp_avg_sq_scale;
-    };
-    std::vector<Whole> whole(layout_.size());
-    std::vector<halfstep::ParamTensor> tensors;
-    for (std::size_t t = 0; t < layout_.size(); ++t) {
-      halfstep::ParamTensor w = layout_[t];
-      for (const halfstep::SlotLayout& slot : halfstep::slot_layouts(config_, w)) {
-        auto& bytes = whole[t].slot[static_cast<int>(slot.slot)];
-        bytes.assign(static_cast<std::size_t>(w.numel) * slot.element_bytes, 0);
-        if (slot.present) halfstep::set_slot_pointer(w, slot.slot, bytes.data());
-      }
-      const halfstep::MomentBlocks b = halfstep::moment_blocks(config_, w);
-      whole[t].exp_avg_scale.assign(static_cast<std::size_t>(b.blocks), 0.0f);
-      whole[t].exp_avg_sq_scale.assign(static_cast<std::size_t>(b.blocks), 0.0f);
-      if (b.quantized) {
-        w.exp_avg_scale = whole[t].exp_avg_scale.data();
-        w.exp_avg_sq_scale = whole[t].exp_avg_sq_scale.data();
-      }
-      tensors.push_back(w);
-    }
-    for (const HostShard& s : shards_) {
-      for (std::size_t k = 0; k < s.pieces.tensors.size(); ++k) {
-        const halfstep::ParamTensor& p = s.pieces.tensors[k];
-        const auto t = static_cast<std::size_t>(s.pieces.source[k]);
-        const auto at = static_cast<std::size_t>(s.pieces.offset[k]);
-        for (const halfstep::SlotLayout& slot : halfstep::slot_layouts(config_, p)) {
-          const void* from = halfstep::slot_pointer(p, slot.slot);
-          if (from == nullptr) continue;
-          std::memcpy(whole[t].slot[static_cast<int>(slot.slot)].data() + at * slot.element_bytes, from,
-                      static_cast<std::size_t>(p.numel) * slot.element_bytes);
-        }
-        const halfstep::MomentBlocks b = halfstep::moment_blocks(config_, p);
-        if (b.quantized) {
-          const auto n = static_cast<std::size_t>(b.blocks) * sizeof(float);
-          std::memcpy(whole[t].exp_avg_scale.data() + b.first, p.exp_avg_scale, n);
-          std::memcpy(whole[t].exp_avg_sq_scale.data() + b.first, p.exp_avg_sq_scale, n);
-        }
-      }
-    }
-    halfstep::FusedAdamW gathered(tensors, config_, halfstep::Backend::reference);
-    gathered.load_state(shards_[0].opt->save_state());
-    halfstep::save_checkpoint(gathered, names, path, options);
+    std::vector<const halfstep::Shard*> pieces;
+    for (const HostShard& s : shards_) pieces.push_back(&s.pieces);
+    save_gathered(layout_, config_, pieces, *shards_[0].opt, names, path, options);
   }
 
   void load(const std::vector<std::string>& names, const std::string& path) override {
@@ -231,6 +187,60 @@ class HostRanks final : public Trainer {
 };
 
 }  // namespace
+
+void save_gathered(const std::vector<halfstep::ParamTensor>& layout, const halfstep::StepConfig& config,
+                   const std::vector<const halfstep::Shard*>& shards, halfstep::FusedAdamW& state,
+                   const std::vector<std::string>& names, const std::string& path,
+                   const halfstep::CheckpointOptions& options) {
+  // The shards gathered into whole tensors, saved by an optimizer built on them with the state
+  // every rank holds. Each piece's buffers go to its place in its tensor: elements at its offset
+  // (at each slot's element size: block8 codes, or fp32 moments where a tensor keeps them),
+  // block scales at its first block.
+  struct Whole {
+    std::vector<unsigned char> slot[halfstep::kSlotCount];
+    std::vector<float> exp_avg_scale, exp_avg_sq_scale;
+  };
+  std::vector<Whole> whole(layout.size());
+  std::vector<halfstep::ParamTensor> tensors;
+  for (std::size_t t = 0; t < layout.size(); ++t) {
+    halfstep::ParamTensor w = layout[t];
+    for (const halfstep::SlotLayout& slot : halfstep::slot_layouts(config, w)) {
+      auto& bytes = whole[t].slot[static_cast<int>(slot.slot)];
+      bytes.assign(static_cast<std::size_t>(w.numel) * slot.element_bytes, 0);
+      if (slot.present) halfstep::set_slot_pointer(w, slot.slot, bytes.data());
+    }
+    const halfstep::MomentBlocks b = halfstep::moment_blocks(config, w);
+    whole[t].exp_avg_scale.assign(static_cast<std::size_t>(b.blocks), 0.0f);
+    whole[t].exp_avg_sq_scale.assign(static_cast<std::size_t>(b.blocks), 0.0f);
+    if (b.quantized) {
+      w.exp_avg_scale = whole[t].exp_avg_scale.data();
+      w.exp_avg_sq_scale = whole[t].exp_avg_sq_scale.data();
+    }
+    tensors.push_back(w);
+  }
+  for (const halfstep::Shard* s : shards) {
+    for (std::size_t k = 0; k < s->tensors.size(); ++k) {
+      const halfstep::ParamTensor& p = s->tensors[k];
+      const auto t = static_cast<std::size_t>(s->source[k]);
+      const auto at = static_cast<std::size_t>(s->offset[k]);
+      for (const halfstep::SlotLayout& slot : halfstep::slot_layouts(config, p)) {
+        const void* from = halfstep::slot_pointer(p, slot.slot);
+        if (from == nullptr) continue;
+        std::memcpy(whole[t].slot[static_cast<int>(slot.slot)].data() + at * slot.element_bytes, from,
+                    static_cast<std::size_t>(p.numel) * slot.element_bytes);
+      }
+      const halfstep::MomentBlocks b = halfstep::moment_blocks(config, p);
+      if (b.quantized) {
+        const auto n = static_cast<std::size_t>(b.blocks) * sizeof(float);
+        std::memcpy(whole[t].exp_avg_scale.data() + b.first, p.exp_avg_scale, n);
+        std::memcpy(whole[t].exp_avg_sq_scale.data() + b.first, p.exp_avg_sq_scale, n);
+      }
+    }
+  }
+  halfstep::FusedAdamW gathered(tensors, config, halfstep::Backend::reference);
+  gathered.load_state(state.save_state());
+  halfstep::save_checkpoint(gathered, names, path, options);
+}
 
 std::unique_ptr<Trainer> make_single_trainer(Engine& engine, const halfstep::StepConfig& config) {
   return std::make_unique<SingleTrainer>(engine, config);

@@ -33,9 +33,9 @@ namespace {
 using halfstep::Outcome;
 using halfstep::StepReport;
 
-const char* kDescription = R"(halfstep-train: trains an MLP (fp16 weights and activations, fp32 masters) to fit a random
-teacher network, with halfstep's dynamic loss scaler and fused AdamW step, and prints what the
-scaler does. Uses the GPU if one is present (cuBLAS + the fused CUDA step), otherwise the CPU
+const char* kDescription = R"(halfstep-train: trains an MLP (fp16 weights and activations, fp32 masters; or bf16, with
+or without masters) to fit a random teacher network, with halfstep's dynamic loss scaler and fused
+AdamW step, and prints what the scaler does. Uses the GPU if one is present (cuBLAS + the fused CUDA step), otherwise the CPU
 (products of its own, summed in the same order on any CPU, + halfstep's reference backend).)";
 
 const char* kScenarios = R"(
@@ -71,6 +71,7 @@ struct Options {
   int ranks = 0;               // 0: no data parallelism
   bool replicate_batch = false;
   std::string moments = "f32", rounding = "stochastic";  // the Adam moments' format and its rounding
+  std::string precision = "f16", master = "f32";        // the model copy's format; the masters'
   std::string command_line;  // as given, for the trace's description
 };
 
@@ -238,18 +239,24 @@ Options parse(int argc, char** argv) {
                  "reduce-scattered, optimizer state sharded, one verdict for all, model\n"
                  "copies all-gathered. On a GPU machine one rank per GPU over NCCL; on the\n"
                  "CPU, N ranks simulated in this process. --trace writes one file per rank")
-      ->transform(decimal_in(1, train::kFlatSlack));
+      ->transform(decimal_in(1, train::kMaxRanks));
   app.add_option("--moments", o.moments,
                  "the Adam moments' format: f32 (default), bf16 (decoded and encoded inside the\n"
                  "fused step, 2 B each instead of 4) or block8 (8-bit codes with an fp32 scale per\n"
-                 "block of 256 elements of a row, 1 B each; tensors under 4096 elements stay fp32;\n"
-                 "--ranks on the CPU engine only). The masters stay fp32: this program computes in fp16, and\n"
-                 "remainders rebuild masters from a bf16 model copy only")
+                 "block of 256 elements of a row, 1 B each; tensors under 4096 elements stay fp32)")
       ->check(CLI::IsMember({"f32", "bf16", "block8"}));
+  app.add_option("--precision", o.precision,
+                 "the model copy's, the activations' and the gradients' format: f16 (default) or bf16")
+      ->check(CLI::IsMember({"f16", "bf16"}));
+  app.add_option("--master", o.master,
+                 "the master weights: f32 (default), remainder (the bf16 model copy and an int16\n"
+                 "remainder: the fp32 master exactly, in 2 B) or none (the bf16 weights are the\n"
+                 "parameters, updated with --rounding); remainder and none need --precision bf16")
+      ->check(CLI::IsMember({"f32", "remainder", "none"}));
   app.add_option("--rounding", o.rounding,
-                 "how bf16 moments (block8: sqrt(exp_avg_sq)) are stored: stochastic (default; its bits\n"
-                 "keyed by --seed, the step,\n"
-                 "the tensor and the element) or nearest")
+                 "how bf16 moments (block8: sqrt(exp_avg_sq)), and with --master none the weights,\n"
+                 "are stored: stochastic (default; its bits keyed by --seed, the step, the tensor\n"
+                 "and the element) or nearest")
       ->check(CLI::IsMember({"stochastic", "nearest"}));
   app.add_flag("--replicate-batch", o.replicate_batch,
                "with --ranks: every rank computes the whole batch (so the sharded step must\n"
@@ -267,9 +274,10 @@ Options parse(int argc, char** argv) {
   }
   o.growth_interval_given = growth->count() > 0;
   if (o.replicate_batch && o.ranks == 0) usage_error("--replicate-batch needs --ranks");
-  if (o.moments == "block8" && o.ranks > 0 && !o.cpu && train::cuda_available()) {
-    usage_error("--moments block8 runs with --ranks on the CPU engine (--cpu) only: the NCCL ranks' collectives do "
-                "not pad ranges cut where blocks start yet");
+  if (o.master != "f32" && o.precision != "bf16") {
+    usage_error("--master " + o.master + " needs --precision bf16: " +
+                (o.master == "none" ? "without a master the weights are the bf16 model copy"
+                                    : "remainders rebuild fp32 masters from a bf16 model copy"));
   }
   if (!o.checkpoint.empty()) check_checkpoint_path(o.checkpoint);
   // A trace, or its description, on the file another option reads or writes would corrupt that
@@ -325,6 +333,9 @@ Scenario make_scenario(const Options& o, std::int64_t steps) {
   c.max_grad_norm = 1.0f;
   c.scaler.growth_interval = o.growth_interval;
   c.scaler.headroom_growth = o.headroom_growth;
+  if (o.precision == "bf16") c.grad_dtype = c.model_dtype = halfstep::DType::bf16;
+  if (o.master == "remainder") c.state.master = halfstep::MasterFormat::bf16_remainder;
+  if (o.master == "none") c.state.master = halfstep::MasterFormat::none;
   if (o.moments == "bf16") c.state.exp_avg = c.state.exp_avg_sq = halfstep::MomentFormat::bf16;
   if (o.moments == "block8") c.state.exp_avg = c.state.exp_avg_sq = halfstep::MomentFormat::block8;
   c.state.rounding = o.rounding == "nearest" ? halfstep::Rounding::nearest : halfstep::Rounding::stochastic;
@@ -382,7 +393,7 @@ Scenario make_scenario(const Options& o, std::int64_t steps) {
   // step is the one this run uses (3/4 of --steps unless given), so a resume to a longer total
   // must name the first run's. lr-decay's schedule is not a setting: it spans --steps, the total
   // a resume extends.
-  s.settings = {{"--scenario", o.scenario}, {"--lr", number_text(o.lr)}};
+  s.settings = {{"--scenario", o.scenario}, {"--precision", o.precision}, {"--lr", number_text(o.lr)}};
   if (o.scenario == "spike") {
     s.settings.emplace_back("--spike-step", std::to_string(s.spike_step));
     s.settings.emplace_back("--spike-factor", number_text(s.spike_factor));
@@ -494,6 +505,7 @@ std::int64_t resume_step(const std::string& path, const train::Dims& dims, std::
   }
   for (const auto& [option, value] : scenario.settings) {
     const auto saved = meta.find(setting_key(option));
+    if (saved == meta.end() && option == "--precision" && value == "f16") continue;  // before bf16 runs existed
     if (saved == meta.end()) {
       throw std::runtime_error(path + " does not record its " + option +
                                " (an older halfstep-train wrote it), so this run cannot be checked against it");
@@ -668,7 +680,7 @@ int run(const Options& o) {
   for (int r = 0; !o.trace.empty() && r < ranks; ++r) traces.emplace_back(rank_trace(o.trace, r), start > 0);
 
   const auto teacher = train::teacher_masters(dims, o.seed);
-  const train::Dataset data = train::make_dataset(dims, teacher, o.seed);
+  const train::Dataset data = train::make_dataset(dims, teacher, o.seed, scenario.config.model_dtype);
   auto masters = train::initial_masters(dims, o.seed);
   if (o.scenario == "lr-decay") {  // fine-tuning: start near the teacher, every unit alive
     for (std::size_t t = 0; t < masters.size(); ++t) {
@@ -724,11 +736,15 @@ int run(const Options& o) {
   {
     const halfstep::StateFormat& f = scenario.config.state;
     const halfstep::StateBytes b = halfstep::state_bytes(scenario.config);
-    std::printf("  optimizer state: fp32 masters, %s moments%s; %zu B a parameter held, %zu B moved a step\n",
-                f.exp_avg == halfstep::MomentFormat::f32 ? "fp32" : halfstep::moment_format_name(f.exp_avg),
-                f.exp_avg != halfstep::MomentFormat::f32
-                    ? (std::string(" (") + halfstep::rounding_name(f.rounding) + " rounding)").c_str()
-                    : "",
+    const std::string rounding = std::string(" (") + halfstep::rounding_name(f.rounding) + " rounding)";
+    const bool rounded = f.exp_avg != halfstep::MomentFormat::f32;
+    const std::string master = f.master == halfstep::MasterFormat::f32              ? "fp32 masters"
+                               : f.master == halfstep::MasterFormat::bf16_remainder ? "int16 remainders (exact fp32 masters)"
+                                                                                    : "no master (the bf16 weights" + rounding + ")";
+    std::printf("  optimizer state: %s%s, %s moments%s; %zu B a parameter held, %zu B moved a step\n",
+                scenario.config.model_dtype == halfstep::DType::bf16 ? "bf16 weights and gradients, " : "",
+                master.c_str(), f.exp_avg == halfstep::MomentFormat::f32 ? "fp32" : halfstep::moment_format_name(f.exp_avg),
+                rounded ? rounding.c_str() : "",
                 b.state + b.gradient + b.model, b.moved);
   }
 
@@ -745,7 +761,8 @@ int run(const Options& o) {
     run["rank"] = r;
     run["ranks"] = ranks;
     const halfstep::StateFormat& f = scenario.config.state;
-    run["state"] = {{"master", halfstep::master_format_name(f.master)},
+    run["state"] = {{"precision", halfstep::dtype_name(scenario.config.model_dtype)},
+                    {"master", halfstep::master_format_name(f.master)},
                     {"exp_avg", halfstep::moment_format_name(f.exp_avg)},
                     {"exp_avg_sq", halfstep::moment_format_name(f.exp_avg_sq)},
                     {"rounding", halfstep::rounding_name(f.rounding)}};

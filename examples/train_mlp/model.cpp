@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <stdexcept>
+#include <string>
 
 namespace train {
 
@@ -65,7 +68,7 @@ std::vector<float> teacher_forward(const Dims& dims, const std::vector<std::vect
 }
 
 Dataset make_dataset(const Dims& dims, const std::vector<std::vector<float>>& teacher,
-                     std::uint64_t seed) {
+                     std::uint64_t seed, halfstep::DType precision) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   Dataset d;
@@ -75,7 +78,7 @@ Dataset make_dataset(const Dims& dims, const std::vector<std::vector<float>>& te
   for (std::size_t s = 0; s < n; ++s) {
     float* x = &d.x[s * static_cast<std::size_t>(dims.d_in)];
     for (int i = 0; i < dims.d_in; ++i) {
-      x[i] = static_cast<float>(halfstep::from_f16_bits(halfstep::to_f16_bits(normal(rng))));
+      x[i] = static_cast<float>(halfstep::from_bits16(precision, halfstep::to_bits16(precision, normal(rng))));
     }
     const std::vector<float> y = teacher_forward(dims, teacher, x);
     std::copy(y.begin(), y.end(), &d.y[s * static_cast<std::size_t>(dims.d_out)]);
@@ -95,6 +98,33 @@ std::vector<std::vector<float>> initial_masters(const Dims& dims, std::uint64_t 
     masters.emplace_back(static_cast<std::size_t>(dims.fan_out(l)), 0.0f);
   }
   return masters;
+}
+
+InitialState initial_state(const halfstep::StepConfig& config, const std::vector<float>& master) {
+  const std::size_t bytes = halfstep::slot_layouts(config)[static_cast<std::size_t>(halfstep::Slot::master)].element_bytes;
+  const bool bf16 = config.model_dtype == halfstep::DType::bf16;
+  InitialState s;
+  s.master.resize(master.size() * bytes);
+  s.model.resize(master.size());
+  for (std::size_t i = 0; i < master.size(); ++i) {
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &master[i], 4);
+    if (bf16) bits = halfstep::canonical_master(bits);
+    float value = 0.0f;
+    std::memcpy(&value, &bits, 4);
+    s.model[i] = halfstep::to_bits16(config.model_dtype, value);
+    if (config.state.master == halfstep::MasterFormat::f32) {
+      std::memcpy(&s.master[i * 4], &bits, 4);
+    } else if (config.state.master == halfstep::MasterFormat::bf16_remainder) {
+      std::int16_t rest = 0;
+      std::uint16_t model = 0;
+      if (!halfstep::split_master(bits, model, rest) || model != s.model[i]) {
+        throw std::runtime_error("initial_state: the master " + std::to_string(value) + " has no bf16 remainder");
+      }
+      std::memcpy(&s.master[i * 2], &rest, 2);
+    }
+  }
+  return s;
 }
 
 }  // namespace train

@@ -2,9 +2,11 @@
 //
 // The task: regression onto a fixed random "teacher" network, y = T(x) with x ~ N(0, I). The
 // student is an MLP (ReLU hidden layers) trained with mean squared error. Mixed precision as the
-// field does it: fp16 weights (the model copy halfstep writes) and fp16 activations feed the
-// matrix products, which accumulate in fp32; the loss and its gradient are fp32; the backward
-// pass is seeded with the loss scale and writes fp16 gradients; halfstep steps the fp32 masters.
+// field does it: 16-bit weights (the model copy halfstep writes, StepConfig::model_dtype: fp16,
+// or bf16 with --precision bf16) and activations in the same format feed the matrix products,
+// which accumulate in fp32; the loss and its gradient are fp32; the backward pass is seeded with
+// the loss scale and writes 16-bit gradients; halfstep steps the masters (fp32; with a bf16 model
+// copy also int16 remainders, or none: the bf16 weights themselves).
 #pragma once
 
 #include <cstdint>
@@ -41,13 +43,14 @@ struct Dims {
   std::int64_t parameters() const;
 };
 
-/// The dataset: x ~ N(0, I) (samples × d_in, already rounded to fp16 values, as the network
-/// sees them) and y = teacher(x) computed in double (samples × d_out, fp32). Row-major.
+/// The dataset: x ~ N(0, I) (samples × d_in, already rounded to the network's 16-bit format
+/// `precision`, f16 or bf16, as it sees them) and y = teacher(x) computed in double (samples ×
+/// d_out, fp32). Row-major.
 struct Dataset {
   std::vector<float> x, y;
 };
 Dataset make_dataset(const Dims& dims, const std::vector<std::vector<float>>& teacher,
-                     std::uint64_t seed);
+                     std::uint64_t seed, halfstep::DType precision = halfstep::DType::f16);
 
 /// Hidden units the teacher uses in each hidden layer.
 inline int teacher_width(const Dims& dims) { return dims.width < 64 ? dims.width : 64; }
@@ -73,9 +76,19 @@ std::vector<TensorShape> tensor_shapes(const Dims& dims);
 /// Initial fp32 masters: He-normal weights, zero biases.
 std::vector<std::vector<float>> initial_masters(const Dims& dims, std::uint64_t seed);
 
-/// Elements of room the engines leave after their flat gradient and model-copy buffers (zeroed):
-/// data parallelism over R ranks pads the flat space to a multiple of R (R <= kFlatSlack).
-inline constexpr std::int64_t kFlatSlack = 1024;
+/// A tensor's initial state under `config`, from its fp32 values `master`: the master slot's
+/// bytes in StateFormat::master's format (fp32 values; int16 remainders, halfstep::split_master;
+/// none) and the model copy's bits in config.model_dtype (the values rounded to nearest). With
+/// a bf16 model copy every master is first made canonical (halfstep::canonical_master), as a
+/// step stores it, so that the three master formats start from the same weights.
+struct InitialState {
+  std::vector<unsigned char> master;
+  std::vector<std::uint16_t> model;
+};
+InitialState initial_state(const halfstep::StepConfig& config, const std::vector<float>& master);
+
+/// The most ranks data parallelism takes.
+inline constexpr int kMaxRanks = 1024;
 
 /// Runs the network's forward and backward passes and owns the buffers halfstep updates.
 class Engine {

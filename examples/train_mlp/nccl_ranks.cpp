@@ -1,11 +1,14 @@
 // halfstep-train's data parallelism on GPUs: one rank per visible GPU, all driven from this thread
 // through NCCL (collectives of several ranks issued from one thread are grouped with
 // ncclGroupStart / ncclGroupEnd). Per step: each engine's forward and backward on its slice of the
-// batch; ncclReduceScatter averages the fp16 gradients into each rank's shard; each rank's
+// batch; the 16-bit gradients of each rank's range averaged to that rank (one ncclReduce per rank,
+// rooted at it: together a reduce-scatter whose ranges may differ in length); each rank's
 // FusedAdamW measures its shard (step_local), the StepTotals records are all-reduced (SUM and
-// MAX), every rank decides and applies (step_finish); ncclAllGather brings every engine the whole
-// model copy. Shards are ceil(numel / ranks) elements (the last shorter), as the collectives need
-// equal counts; the engines' flat buffers have room for the padding.
+// MAX), every rank decides and applies (step_finish); each rank's range of the model copy
+// broadcast from it to every engine (together an all-gather). The ranges are
+// halfstep::even_shard's for the layout: even, with each cut moved to where a block starts under
+// block8 moments, so ranges may differ by up to a block and a collective of equal counts
+// (ncclReduceScatter, ncclAllGather) would need padding in the engines' flat buffers.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -36,8 +39,10 @@ T* device_buffer(std::size_t n) {
 struct DeviceShard {
   int device = 0;
   std::int64_t begin = 0, end = 0;
-  float* master = nullptr;
-  unsigned char *exp_avg = nullptr, *exp_avg_sq = nullptr;  // the moments in their format
+  unsigned char* master = nullptr;                          // in its format; null without a master
+  unsigned char *exp_avg = nullptr, *exp_avg_sq = nullptr;  // the moments in their format (shard_state)
+  float *exp_avg_scale = nullptr, *exp_avg_sq_scale = nullptr;  // block8: the pieces' block scales
+  halfstep::ShardState sizes;
   std::uint16_t *grad = nullptr, *model = nullptr;
   halfstep::Shard pieces;
   std::unique_ptr<halfstep::FusedAdamW> opt;
@@ -50,9 +55,14 @@ struct DeviceShard {
     p.exp_avg_sq = exp_avg_sq;
     p.model = model;
     p.numel = end - begin;
+    p.exp_avg_scale = exp_avg_scale;
+    p.exp_avg_sq_scale = exp_avg_sq_scale;
     return p;
   }
 };
+
+// The NCCL type of the gradients and the model copy.
+ncclDataType_t nccl_type(halfstep::DType dtype) { return dtype == halfstep::DType::bf16 ? ncclBfloat16 : ncclFloat16; }
 
 class NcclRanks final : public Trainer {
  public:
@@ -63,7 +73,7 @@ class NcclRanks final : public Trainer {
     if (n > devices) {
       throw std::runtime_error("--ranks " + std::to_string(n) + " needs a GPU per rank; " + std::to_string(devices) + " visible");
     }
-    if (n > kFlatSlack) throw std::runtime_error("--ranks " + std::to_string(n) + ": at most " + std::to_string(kFlatSlack));
+    if (n > kMaxRanks) throw std::runtime_error("--ranks " + std::to_string(n) + ": at most " + std::to_string(kMaxRanks));
     std::vector<int> list(static_cast<std::size_t>(n));
     std::vector<ncclComm_t> comms(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) list[static_cast<std::size_t>(r)] = r;
@@ -76,31 +86,40 @@ class NcclRanks final : public Trainer {
       halfstep::ParamTensor shape;
       shape.numel = t.numel;
       shape.group = t.group;
+      shape.row = t.row;  // where block8's blocks lie
       layout_.push_back(shape);
       total_ += t.numel;
     }
-    per_rank_ = (total_ + n - 1) / n;
+    const std::size_t master_bytes = slot_bytes(config_, halfstep::Slot::master);
     for (int r = 0; r < n; ++r) {
       DeviceShard& s = shards_[static_cast<std::size_t>(r)];
       check(cudaSetDevice(r), "cudaSetDevice");
       s.device = r;
       s.comm = comms[static_cast<std::size_t>(r)];
-      std::tie(s.begin, s.end) = halfstep::even_shard(total_, n, r);  // chunks of per_rank_
-      const auto len = static_cast<std::size_t>(per_rank_);
-      s.master = device_buffer<float>(len);
-      s.exp_avg = device_buffer<unsigned char>(len * slot_bytes(config_, halfstep::Slot::exp_avg));  // zeroed
-      s.exp_avg_sq = device_buffer<unsigned char>(len * slot_bytes(config_, halfstep::Slot::exp_avg_sq));
+      std::tie(s.begin, s.end) = halfstep::even_shard(layout_, config_, n, r);
+      const auto len = static_cast<std::size_t>(s.end - s.begin);
+      s.sizes = halfstep::shard_state(layout_, s.begin, s.end, config_);
+      if (master_bytes > 0) s.master = device_buffer<unsigned char>(len * master_bytes);
+      // Zero in every format (block8: scales of 0 decode every code to 0).
+      s.exp_avg = device_buffer<unsigned char>(static_cast<std::size_t>(s.sizes.exp_avg_bytes));
+      s.exp_avg_sq = device_buffer<unsigned char>(static_cast<std::size_t>(s.sizes.exp_avg_sq_bytes));
+      if (s.sizes.scales > 0) {
+        s.exp_avg_scale = device_buffer<float>(static_cast<std::size_t>(s.sizes.scales));
+        s.exp_avg_sq_scale = device_buffer<float>(static_cast<std::size_t>(s.sizes.scales));
+      }
       s.grad = device_buffer<std::uint16_t>(len);
       s.model = device_buffer<std::uint16_t>(len);
       s.pieces = halfstep::shard(layout_, s.begin, s.end, s.flat(), config_);
       // The shard's masters and model copy, from this rank's engine (every engine starts alike).
       const std::vector<halfstep::ParamTensor> full = engines_[static_cast<std::size_t>(r)]->tensors();
-      for (std::size_t k = 0; k < s.pieces.tensors.size(); ++k) {
+      for (std::size_t k = 0; master_bytes > 0 && k < s.pieces.tensors.size(); ++k) {
         const halfstep::ParamTensor& piece = s.pieces.tensors[k];
         const halfstep::ParamTensor& from = full[static_cast<std::size_t>(s.pieces.source[k])];
-        check(cudaMemcpy(piece.master, static_cast<const float*>(from.master) + s.pieces.offset[k],
-                         static_cast<std::size_t>(piece.numel) * 4,
-                         cudaMemcpyDeviceToDevice), "cudaMemcpy");
+        check(cudaMemcpy(piece.master,
+                         static_cast<const unsigned char*>(from.master) +
+                             static_cast<std::size_t>(s.pieces.offset[k]) * master_bytes,
+                         static_cast<std::size_t>(piece.numel) * master_bytes, cudaMemcpyDeviceToDevice),
+              "cudaMemcpy");
       }
       check(cudaMemcpy(s.model, engines_[static_cast<std::size_t>(r)]->flat_model() + s.begin,
                        static_cast<std::size_t>(s.end - s.begin) * 2, cudaMemcpyDeviceToDevice), "cudaMemcpy");
@@ -119,6 +138,8 @@ class NcclRanks final : public Trainer {
       cudaFree(s.master);
       cudaFree(s.exp_avg);
       cudaFree(s.exp_avg_sq);
+      cudaFree(s.exp_avg_scale);
+      cudaFree(s.exp_avg_sq_scale);
       cudaFree(s.grad);
       cudaFree(s.model);
       if (s.comm) ncclCommDestroy(s.comm);
@@ -142,9 +163,13 @@ class NcclRanks final : public Trainer {
       engines_[r]->forward_backward(step, *shards_[r].opt, grad_factor);
     }
     group([&](std::size_t r) {
-      check(ncclReduceScatter(engines_[r]->flat_grads(), shards_[r].grad, static_cast<std::size_t>(per_rank_),
-                              ncclFloat16, ncclAvg, shards_[r].comm, stream(r)),
-            "ncclReduceScatter");
+      for (std::size_t root = 0; root < n; ++root) {  // recvbuff is read on the root only
+        const DeviceShard& to = shards_[root];
+        check(ncclReduce(engines_[r]->flat_grads() + to.begin, shards_[r].grad,
+                         static_cast<std::size_t>(to.end - to.begin), nccl_type(config_.grad_dtype), ncclAvg,
+                         static_cast<int>(root), shards_[r].comm, stream(r)),
+              "ncclReduce");
+      }
     });
     for (std::size_t r = 0; r < n; ++r) {
       check(cudaSetDevice(shards_[r].device), "cudaSetDevice");
@@ -191,31 +216,54 @@ class NcclRanks final : public Trainer {
 
   void save(const std::vector<std::string>& names, const std::string& path,
             const halfstep::CheckpointOptions& options) override {
-    // The shards gathered to the host, saved by a reference-backend optimizer built on them with
-    // the state every rank holds.
-    const auto total = static_cast<std::size_t>(total_);
-    const std::size_t m_bytes = slot_bytes(config_, halfstep::Slot::exp_avg);
-    const std::size_t v_bytes = slot_bytes(config_, halfstep::Slot::exp_avg_sq);
-    std::vector<float> master(total);
-    std::vector<unsigned char> exp_avg(total * m_bytes), exp_avg_sq(total * v_bytes);
-    std::vector<std::uint16_t> grad(total), model(total);
-    for (DeviceShard& s : shards_) {
+    // Each rank's flat buffers copied to the host and cut as on the device, then gathered into
+    // whole tensors and saved with the state every rank holds (save_gathered).
+    struct Host {
+      std::vector<unsigned char> master, exp_avg, exp_avg_sq;
+      std::vector<float> exp_avg_scale, exp_avg_sq_scale;
+      std::vector<std::uint16_t> grad, model;
+      halfstep::Shard pieces;
+    };
+    std::vector<Host> host(shards_.size());
+    std::vector<const halfstep::Shard*> pieces;
+    const std::size_t master_bytes = slot_bytes(config_, halfstep::Slot::master);
+    for (std::size_t r = 0; r < shards_.size(); ++r) {
+      const DeviceShard& s = shards_[r];
+      Host& h = host[r];
       check(cudaSetDevice(s.device), "cudaSetDevice");
       check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       const auto len = static_cast<std::size_t>(s.end - s.begin);
-      const auto at = static_cast<std::size_t>(s.begin);
-      check(cudaMemcpy(master.data() + at, s.master, len * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
-      check(cudaMemcpy(exp_avg.data() + at * m_bytes, s.exp_avg, len * m_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
-      check(cudaMemcpy(exp_avg_sq.data() + at * v_bytes, s.exp_avg_sq, len * v_bytes, cudaMemcpyDeviceToHost),
-            "cudaMemcpy");
-      check(cudaMemcpy(model.data() + at, s.model, len * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      const auto scales = static_cast<std::size_t>(s.sizes.scales);
+      h.master.resize(len * master_bytes);
+      h.exp_avg.resize(static_cast<std::size_t>(s.sizes.exp_avg_bytes));
+      h.exp_avg_sq.resize(static_cast<std::size_t>(s.sizes.exp_avg_sq_bytes));
+      h.exp_avg_scale.resize(scales);
+      h.exp_avg_sq_scale.resize(scales);
+      h.grad.assign(len, 0);
+      h.model.resize(len);
+      const auto copy = [](void* to, const void* from, std::size_t bytes) {
+        if (bytes > 0) check(cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      };
+      copy(h.master.data(), s.master, h.master.size());
+      copy(h.exp_avg.data(), s.exp_avg, h.exp_avg.size());
+      copy(h.exp_avg_sq.data(), s.exp_avg_sq, h.exp_avg_sq.size());
+      copy(h.exp_avg_scale.data(), s.exp_avg_scale, scales * sizeof(float));
+      copy(h.exp_avg_sq_scale.data(), s.exp_avg_sq_scale, scales * sizeof(float));
+      copy(h.model.data(), s.model, len * 2);
+      halfstep::ParamTensor flat;
+      flat.master = h.master.empty() ? nullptr : h.master.data();
+      flat.grad = h.grad.data();
+      flat.exp_avg = h.exp_avg.data();
+      flat.exp_avg_sq = h.exp_avg_sq.data();
+      flat.model = h.model.data();
+      flat.numel = s.end - s.begin;
+      flat.exp_avg_scale = h.exp_avg_scale.data();
+      flat.exp_avg_sq_scale = h.exp_avg_sq_scale.data();
+      h.pieces = halfstep::shard(layout_, s.begin, s.end, flat, config_);
+      pieces.push_back(&h.pieces);
     }
-    halfstep::ParamTensor flat{master.data(), grad.data(), exp_avg.data(), exp_avg_sq.data(), model.data(), total_, 0};
-    halfstep::FusedAdamW whole(halfstep::shard(layout_, 0, total_, flat, config_).tensors, config_,
-                               halfstep::Backend::reference);
     check(cudaSetDevice(shards_[0].device), "cudaSetDevice");
-    whole.load_state(shards_[0].opt->save_state());
-    halfstep::save_checkpoint(whole, names, path, options);
+    save_gathered(layout_, config_, pieces, *shards_[0].opt, names, path, options);
   }
 
   void load(const std::vector<std::string>& names, const std::string& path) override {
@@ -250,18 +298,25 @@ class NcclRanks final : public Trainer {
     check(ncclGroupEnd(), "ncclGroupEnd");
   }
 
+  // Every engine's model copy from every rank's range: one broadcast rooted at each rank.
   void all_gather() {
     group([&](std::size_t r) {
-      check(ncclAllGather(shards_[r].model, engines_[r]->flat_model(), static_cast<std::size_t>(per_rank_),
-                          ncclFloat16, shards_[r].comm, stream(r)),
-            "ncclAllGather");
+      for (std::size_t root = 0; root < shards_.size(); ++root) {
+        const DeviceShard& from = shards_[root];
+        std::uint16_t* to = engines_[r]->flat_model() + from.begin;
+        // sendbuff is read on the root only; elsewhere it is this device's own receive buffer
+        check(ncclBroadcast(r == root ? from.model : to, to,
+                            static_cast<std::size_t>(from.end - from.begin), nccl_type(config_.model_dtype),
+                            static_cast<int>(root), shards_[r].comm, stream(r)),
+              "ncclBroadcast");
+      }
     });
   }
 
   halfstep::StepConfig config_;
   std::vector<std::unique_ptr<Engine>> engines_;
   std::vector<halfstep::ParamTensor> layout_;
-  std::int64_t total_ = 0, per_rank_ = 0;
+  std::int64_t total_ = 0;
   std::vector<DeviceShard> shards_;
 };
 

@@ -50,10 +50,18 @@ std::unique_ptr<Trainer> make_host_ranks(std::vector<std::unique_ptr<Engine>> en
                                          const halfstep::StepConfig& config);
 
 /// Ranks on the visible GPUs, one each, driven from one thread through NCCL (ncclCommInitAll):
-/// ncclReduceScatter (average) of the fp16 gradients, each rank's FusedAdamW over its shard
-/// reducing its record over its communicator, ncclAllGather of the model copies. `make_engine`
-/// is called with the device current.
+/// each rank's range of the 16-bit gradients averaged to it (ncclReduce), each rank's FusedAdamW
+/// over its shard reducing its record over its communicator, each rank's range of the model copy
+/// broadcast from it (ncclBroadcast). `make_engine` is called with the device current.
 std::unique_ptr<Trainer> make_nccl_ranks(int ranks, const std::function<std::unique_ptr<Engine>(int rank)>& make_engine,
                                          const halfstep::StepConfig& config);
+
+/// Saves a checkpoint of whole tensors gathered from the ranks' shards (every piece of every
+/// shard in host memory, laid out as halfstep::shard lays them out), with the optimizer state
+/// (step, scaler, groups) that `state`, any rank's optimizer, holds.
+void save_gathered(const std::vector<halfstep::ParamTensor>& layout, const halfstep::StepConfig& config,
+                   const std::vector<const halfstep::Shard*>& shards, halfstep::FusedAdamW& state,
+                   const std::vector<std::string>& names, const std::string& path,
+                   const halfstep::CheckpointOptions& options);
 
 }  // namespace train

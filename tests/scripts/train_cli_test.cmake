@@ -29,6 +29,16 @@ expect(ok "checkpoint written" --cpu --quiet --steps 1 --seed 184467440737095516
        --checkpoint "${WORK_DIR}/max_seed.safetensors")
 expect(fail "--seed 18446744073709551615 there, 10 in this run"
        --cpu --quiet --steps 2 --seed 010 --resume "${WORK_DIR}/max_seed.safetensors")
+# A master in 2 B, or none, needs a bf16 model copy; a resume repeats the run's precision (an f16
+# checkpoint from before --precision existed reads as f16).
+expect(2 "--master none needs --precision bf16: without a master the weights are the bf16 model copy"
+       --cpu --quiet --steps 1 --master none)
+expect(2 "--master remainder needs --precision bf16" --cpu --quiet --steps 1 --master remainder)
+expect(2 "bogus not in" --cpu --quiet --steps 1 --precision bogus)
+expect(ok "bf16 weights and gradients, no master \\(the bf16 weights \\(stochastic rounding\\)\\), block8 moments"
+       --cpu --steps 2 --precision bf16 --master none --moments block8 --checkpoint "${WORK_DIR}/bf16.safetensors")
+expect(fail "--precision: .*bf16.safetensors was written by a run with --precision bf16, this run has --precision f16"
+       --cpu --quiet --steps 3 --resume "${WORK_DIR}/bf16.safetensors")
 # --print-every: a positive count; its default (without the option) is a fifteenth of the run.
 expect(2 "--print-every: 0 is less than 1" --cpu --steps 3 --print-every 0)
 expect(2 "--print-every: '-3' is negative" --cpu --steps 3 --print-every -3)
