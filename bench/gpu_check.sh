@@ -5,7 +5,8 @@
 #   the Python package's tests (with the GPU ones) and bench/compare_torch.py through the package
 #   when PyTorch with CUDA is importable, halfstep inside Trainer and accelerate (fp16, and Trainer
 #   on FSDP2 with two GPUs) next to the standard pipeline, a short halfstep-train run on the GPU, the
-#   NCCL tests alone, and halfstep-train --ranks over every visible GPU.
+#   NCCL tests alone, and halfstep-train --ranks over every visible GPU (also with bf16 weights, no
+#   master and 8-bit moments, against the one-GPU run).
 # Logs go under LOG_DIR; a table of results is printed last. Exits non-zero if anything failed.
 #
 # usage: bench/gpu_check.sh LOG_DIR
@@ -171,6 +172,15 @@ else
   record "halfstep-train (GPU, 2000 steps)" FAIL "train_gpu.log"
 fi
 
+# --- the leanest state in the main job: bf16 weights without a master, 8-bit moments ----------------
+lean=(--precision bf16 --master none --moments block8)
+if "$bin/examples/halfstep-train" --steps 2000 "${lean[@]}" --trace "$logs/train_lean.csv" > "$logs/train_lean.log" 2>&1; then
+  record "halfstep-train ${lean[*]} (GPU, 2000 steps)" ok \
+    "$(grep -E '^done|loss .* over the last' "$logs/train_lean.log" | tr '\n' ' ')"
+else
+  record "halfstep-train ${lean[*]} (GPU, 2000 steps)" FAIL "train_lean.log"
+fi
+
 # --- data parallelism in the main job: one rank per GPU over NCCL, every rank's trace identical -------
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 ranks=$(( gpus < 2 ? 1 : gpus ))
@@ -183,6 +193,28 @@ if "$bin/examples/halfstep-train" --steps 300 --quiet --ranks "$ranks" --trace "
   record "halfstep-train --ranks $ranks (NCCL)" "$same" "$(grep -E '^done' "$logs/train_ranks.log")"
 else
   record "halfstep-train --ranks $ranks (NCCL)" FAIL "train_ranks.log"
+fi
+# The same with the leanest state: ranges cut where blocks start (of different lengths), and with
+# --replicate-batch every rank's trace must equal the one-GPU run's, row for row. (On 1 or 2 GPUs:
+# the average of 2 equal 16-bit gradients is exact however NCCL sums it; of 3 or more it may round.)
+if "$bin/examples/halfstep-train" --steps 300 --quiet "${lean[@]}" --trace "$logs/train_lean1.csv" \
+     > "$logs/train_lean1.log" 2>&1 &&
+   "$bin/examples/halfstep-train" --steps 300 --quiet "${lean[@]}" --ranks "$ranks" --replicate-batch \
+     --trace "$logs/train_lean_ranks.csv" > "$logs/train_lean_ranks.log" 2>&1; then
+  same=ok
+  for ((r = 0; r < ranks; ++r)); do
+    trace="$logs/train_lean_ranks.csv"
+    (( r > 0 )) && trace="$logs/train_lean_ranks.rank$r.csv"
+    if (( ranks <= 2 )); then
+      cmp -s <(tail -n +2 "$logs/train_lean1.csv") <(tail -n +2 "$trace") || same=FAIL
+    else
+      cmp -s "$logs/train_lean_ranks.csv" "$trace" || same=FAIL  # the ranks agree with each other
+    fi
+  done
+  record "halfstep-train ${lean[*]} --ranks $ranks --replicate-batch (NCCL) = one GPU" "$same" \
+    "$(grep -E '^done' "$logs/train_lean_ranks.log")"
+else
+  record "halfstep-train ${lean[*]} --ranks $ranks --replicate-batch (NCCL)" FAIL "train_lean1.log, train_lean_ranks.log"
 fi
 
 # --- the table -----------------------------------------------------------------------------------------

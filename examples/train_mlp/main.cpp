@@ -738,9 +738,11 @@ int run(const Options& o) {
     const halfstep::StateBytes b = halfstep::state_bytes(scenario.config);
     const std::string rounding = std::string(" (") + halfstep::rounding_name(f.rounding) + " rounding)";
     const bool rounded = f.exp_avg != halfstep::MomentFormat::f32;
-    const std::string master = f.master == halfstep::MasterFormat::f32              ? "fp32 masters"
-                               : f.master == halfstep::MasterFormat::bf16_remainder ? "int16 remainders (exact fp32 masters)"
-                                                                                    : "no master (the bf16 weights" + rounding + ")";
+    std::string master = "fp32 masters";
+    if (f.master == halfstep::MasterFormat::bf16_remainder) master = "int16 remainders (exact fp32 masters)";
+    if (f.master == halfstep::MasterFormat::none) {
+      master = std::string("no master (the bf16 weights, ") + halfstep::rounding_name(f.rounding) + " rounding)";
+    }
     std::printf("  optimizer state: %s%s, %s moments%s; %zu B a parameter held, %zu B moved a step\n",
                 scenario.config.model_dtype == halfstep::DType::bf16 ? "bf16 weights and gradients, " : "",
                 master.c_str(), f.exp_avg == halfstep::MomentFormat::f32 ? "fp32" : halfstep::moment_format_name(f.exp_avg),

@@ -35,7 +35,7 @@ expect(2 "--master none needs --precision bf16: without a master the weights are
        --cpu --quiet --steps 1 --master none)
 expect(2 "--master remainder needs --precision bf16" --cpu --quiet --steps 1 --master remainder)
 expect(2 "bogus not in" --cpu --quiet --steps 1 --precision bogus)
-expect(ok "bf16 weights and gradients, no master \\(the bf16 weights \\(stochastic rounding\\)\\), block8 moments"
+expect(ok "bf16 weights and gradients, no master \\(the bf16 weights, stochastic rounding\\), block8 moments"
        --cpu --steps 2 --precision bf16 --master none --moments block8 --checkpoint "${WORK_DIR}/bf16.safetensors")
 expect(fail "--precision: .*bf16.safetensors was written by a run with --precision bf16, this run has --precision f16"
        --cpu --quiet --steps 3 --resume "${WORK_DIR}/bf16.safetensors")
