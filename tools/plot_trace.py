@@ -108,8 +108,11 @@ def state_text(run):
     state = run.get("state")
     if not isinstance(state, dict):
         return ""
-    text = f", {state.get('master')} masters, {state.get('exp_avg')}/{state.get('exp_avg_sq')} moments"
-    if "bf16" in (state.get("exp_avg"), state.get("exp_avg_sq")):
+    master = "no master" if state.get("master") == "none" else f"{state.get('master')} masters"
+    text = f", {master}, {state.get('exp_avg')}/{state.get('exp_avg_sq')} moments"
+    if state.get("precision", "f16") != "f16":  # runs before --precision were f16
+        text = f", {state.get('precision')}" + text
+    if state.get("master") == "none" or {"bf16", "block8"} & {state.get("exp_avg"), state.get("exp_avg_sq")}:
         text += f" ({state.get('rounding')} rounding)"
     return text
 
