@@ -248,6 +248,7 @@ class CpuEngine final : public Engine {
 std::unique_ptr<Engine> make_cpu_engine(const Dims& dims, const Dataset& data,
                                         const std::vector<std::vector<float>>& masters,
                                         std::int64_t steps, const halfstep::StepConfig& config) {
+  check_engine_formats(config);
   return std::make_unique<CpuEngine>(dims, data, masters, steps, config);
 }
 

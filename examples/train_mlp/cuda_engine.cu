@@ -361,6 +361,7 @@ bool cuda_available() {
 std::unique_ptr<Engine> make_cuda_engine(const Dims& dims, const Dataset& data,
                                          const std::vector<std::vector<float>>& masters,
                                          std::int64_t steps, const halfstep::StepConfig& config) {
+  check_engine_formats(config);
   return std::make_unique<CudaEngine>(dims, data, masters, steps, config);
 }
 

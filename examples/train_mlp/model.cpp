@@ -100,6 +100,14 @@ std::vector<std::vector<float>> initial_masters(const Dims& dims, std::uint64_t 
   return masters;
 }
 
+void check_engine_formats(const halfstep::StepConfig& config) {
+  if (config.grad_dtype != config.model_dtype || config.model_dtype == halfstep::DType::f32) {
+    throw std::invalid_argument(std::string("halfstep-train's engines hold gradients and model copies in one 16-bit format; ") +
+                                "grad_dtype is " + halfstep::dtype_name(config.grad_dtype) + ", model_dtype " +
+                                halfstep::dtype_name(config.model_dtype));
+  }
+}
+
 InitialState initial_state(const halfstep::StepConfig& config, const std::vector<float>& master) {
   const std::size_t bytes = halfstep::slot_layouts(config)[static_cast<std::size_t>(halfstep::Slot::master)].element_bytes;
   const bool bf16 = config.model_dtype == halfstep::DType::bf16;

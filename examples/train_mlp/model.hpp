@@ -118,13 +118,15 @@ class Engine {
   virtual void sync() = 0;
 };
 
-/// The CPU engine: products on fp16-rounded operands with fp32 accumulation, summed in a fixed
-/// order whatever the CPU, and halfstep's reference backend.
+/// The CPU engine: products on operands rounded to config.model_dtype (fp16 or bf16) with fp32
+/// accumulation, summed in a fixed order whatever the CPU, and halfstep's reference backend.
+/// The engines write their gradients in the model copy's format: config.grad_dtype must equal
+/// config.model_dtype (both throw std::invalid_argument otherwise).
 std::unique_ptr<Engine> make_cpu_engine(const Dims& dims, const Dataset& data,
                                         const std::vector<std::vector<float>>& masters,
                                         std::int64_t steps, const halfstep::StepConfig& config);
 
-/// The CUDA engine: cuBLAS products (cublasGemmEx, fp16 operands, CUBLAS_COMPUTE_32F) and
+/// The CUDA engine: cuBLAS products (cublasGemmEx, fp16 or bf16 operands, CUBLAS_COMPUTE_32F) and
 /// halfstep's fused CUDA step. Throws if no device is present.
 std::unique_ptr<Engine> make_cuda_engine(const Dims& dims, const Dataset& data,
                                          const std::vector<std::vector<float>>& masters,
@@ -151,6 +153,10 @@ inline std::size_t slot_bytes(const halfstep::StepConfig& config, halfstep::Slot
 inline std::size_t scale_count(const halfstep::StepConfig& config, const TensorShape& s) {
   return static_cast<std::size_t>(halfstep::moment_blocks(config, shaped(s)).blocks);
 }
+
+/// Throws std::invalid_argument unless `config`'s gradients and model copy share one 16-bit
+/// format (the engines' buffers hold both in it).
+void check_engine_formats(const halfstep::StepConfig& config);
 
 /// True when a CUDA device is present.
 bool cuda_available();

@@ -61,8 +61,11 @@ struct DeviceShard {
   }
 };
 
-// The NCCL type of the gradients and the model copy.
-ncclDataType_t nccl_type(halfstep::DType dtype) { return dtype == halfstep::DType::bf16 ? ncclBfloat16 : ncclFloat16; }
+// The NCCL type of the 16-bit gradients and model copy.
+ncclDataType_t nccl_type(halfstep::DType dtype) {
+  if (dtype == halfstep::DType::f32) throw std::invalid_argument("halfstep-train's ranks exchange 16-bit buffers only");
+  return dtype == halfstep::DType::bf16 ? ncclBfloat16 : ncclFloat16;
+}
 
 class NcclRanks final : public Trainer {
  public:
@@ -144,6 +147,10 @@ class NcclRanks final : public Trainer {
       cudaFree(s.model);
       if (s.comm) ncclCommDestroy(s.comm);
     }
+    for (std::size_t r = 0; r < engines_.size(); ++r) {  // each engine's handles on its own device
+      cudaSetDevice(shards_[r].device);
+      engines_[r].reset();
+    }
   }
 
   int ranks() const override { return static_cast<int>(shards_.size()); }
@@ -163,7 +170,7 @@ class NcclRanks final : public Trainer {
       engines_[r]->forward_backward(step, *shards_[r].opt, grad_factor);
     }
     group([&](std::size_t r) {
-      for (std::size_t root = 0; root < n; ++root) {  // recvbuff is read on the root only
+      for (std::size_t root = 0; root < n; ++root) {  // recvbuff is written on the root only
         const DeviceShard& to = shards_[root];
         check(ncclReduce(engines_[r]->flat_grads() + to.begin, shards_[r].grad,
                          static_cast<std::size_t>(to.end - to.begin), nccl_type(config_.grad_dtype), ncclAvg,
