@@ -41,26 +41,9 @@ class SingleTrainer final : public Trainer {
 
 // One rank's shard of the optimizer state: its range of the flat parameter space in five flat
 // buffers, and the optimizer over them.
-struct HostShard {
-  std::int64_t begin = 0, end = 0;
-  std::vector<unsigned char> master;  // in its format (slot_layouts); empty without a master
-  std::vector<unsigned char> exp_avg, exp_avg_sq;  // the moments in their format (shard_state's bytes)
-  std::vector<float> exp_avg_scale, exp_avg_sq_scale;  // block8: the pieces' block scales
-  std::vector<std::uint16_t> grad, model;
+struct HostShard : HostBuffers {
   halfstep::Shard pieces;
   std::unique_ptr<halfstep::FusedAdamW> opt;
-  halfstep::ParamTensor flat() {
-    halfstep::ParamTensor p;
-    p.master = master.empty() ? nullptr : master.data();
-    p.grad = grad.data();
-    p.exp_avg = exp_avg.data();
-    p.exp_avg_sq = exp_avg_sq.data();
-    p.model = model.data();
-    p.numel = end - begin;
-    p.exp_avg_scale = exp_avg_scale.data();
-    p.exp_avg_sq_scale = exp_avg_sq_scale.data();
-    return p;
-  }
 };
 
 class HostRanks final : public Trainer {
@@ -85,19 +68,14 @@ class HostRanks final : public Trainer {
     shards_.resize(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) {
       HostShard& s = shards_[static_cast<std::size_t>(r)];
-      // Even ranges, their cuts moved to block starts under block8.
-      std::tie(s.begin, s.end) = halfstep::even_shard(layout_, config_, n, r);
-      const auto len = static_cast<std::size_t>(s.end - s.begin);
-      const halfstep::ShardState sizes = halfstep::shard_state(layout_, s.begin, s.end, config_);
-      s.master.assign(masters.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(s.begin) * master_bytes),
-                      masters.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(s.end) * master_bytes));
-      // Zero in every format (block8: scales of 0 decode every code to 0).
-      s.exp_avg.assign(static_cast<std::size_t>(sizes.exp_avg_bytes), 0);
-      s.exp_avg_sq.assign(static_cast<std::size_t>(sizes.exp_avg_sq_bytes), 0);
-      s.exp_avg_scale.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
-      s.exp_avg_sq_scale.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
-      s.grad.assign(len, 0);
-      s.model.assign(engines_[0]->flat_model() + s.begin, engines_[0]->flat_model() + s.end);
+      // Even ranges, their cuts moved to block starts under block8; the moments zero in every
+      // format (block8: scales of 0 decode every code to 0).
+      const auto [begin, end] = halfstep::even_shard(layout_, config_, n, r);
+      static_cast<HostBuffers&>(s) = HostBuffers(layout_, begin, end, config_);
+      std::copy(masters.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(begin) * master_bytes),
+                masters.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(end) * master_bytes),
+                s.master.begin());
+      std::copy(engines_[0]->flat_model() + begin, engines_[0]->flat_model() + end, s.model.begin());
       s.pieces = halfstep::shard(layout_, s.begin, s.end, s.flat(), config_);
       s.opt = std::make_unique<halfstep::FusedAdamW>(s.pieces.tensors, config_, halfstep::Distributed{r, {}},
                                                      halfstep::Backend::reference);
@@ -187,6 +165,33 @@ class HostRanks final : public Trainer {
 };
 
 }  // namespace
+
+HostBuffers::HostBuffers(const std::vector<halfstep::ParamTensor>& layout, std::int64_t first, std::int64_t last,
+                         const halfstep::StepConfig& config)
+    : begin(first), end(last) {
+  const auto len = static_cast<std::size_t>(end - begin);
+  const halfstep::ShardState sizes = halfstep::shard_state(layout, begin, end, config);
+  master.assign(len * slot_bytes(config, halfstep::Slot::master), 0);
+  exp_avg.assign(static_cast<std::size_t>(sizes.exp_avg_bytes), 0);
+  exp_avg_sq.assign(static_cast<std::size_t>(sizes.exp_avg_sq_bytes), 0);
+  exp_avg_scale.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
+  exp_avg_sq_scale.assign(static_cast<std::size_t>(sizes.scales), 0.0f);
+  grad.assign(len, 0);
+  model.assign(len, 0);
+}
+
+halfstep::ParamTensor HostBuffers::flat() {
+  halfstep::ParamTensor p;
+  p.master = master.empty() ? nullptr : master.data();
+  p.grad = grad.data();
+  p.exp_avg = exp_avg.data();
+  p.exp_avg_sq = exp_avg_sq.data();
+  p.model = model.data();
+  p.numel = end - begin;
+  p.exp_avg_scale = exp_avg_scale.data();
+  p.exp_avg_sq_scale = exp_avg_sq_scale.data();
+  return p;
+}
 
 void save_gathered(const std::vector<halfstep::ParamTensor>& layout, const halfstep::StepConfig& config,
                    const std::vector<const halfstep::Shard*>& shards, halfstep::FusedAdamW& state,

@@ -109,7 +109,7 @@ void check_engine_formats(const halfstep::StepConfig& config) {
 }
 
 InitialState initial_state(const halfstep::StepConfig& config, const std::vector<float>& master) {
-  const std::size_t bytes = halfstep::slot_layouts(config)[static_cast<std::size_t>(halfstep::Slot::master)].element_bytes;
+  const std::size_t bytes = slot_bytes(config, halfstep::Slot::master);
   const bool bf16 = config.model_dtype == halfstep::DType::bf16;
   InitialState s;
   s.master.resize(master.size() * bytes);

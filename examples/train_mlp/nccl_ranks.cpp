@@ -225,49 +225,26 @@ class NcclRanks final : public Trainer {
             const halfstep::CheckpointOptions& options) override {
     // Each rank's flat buffers copied to the host and cut as on the device, then gathered into
     // whole tensors and saved with the state every rank holds (save_gathered).
-    struct Host {
-      std::vector<unsigned char> master, exp_avg, exp_avg_sq;
-      std::vector<float> exp_avg_scale, exp_avg_sq_scale;
-      std::vector<std::uint16_t> grad, model;
-      halfstep::Shard pieces;
-    };
-    std::vector<Host> host(shards_.size());
+    std::vector<HostBuffers> host(shards_.size());
+    std::vector<halfstep::Shard> host_pieces(shards_.size());
     std::vector<const halfstep::Shard*> pieces;
-    const std::size_t master_bytes = slot_bytes(config_, halfstep::Slot::master);
     for (std::size_t r = 0; r < shards_.size(); ++r) {
       const DeviceShard& s = shards_[r];
-      Host& h = host[r];
+      HostBuffers& h = host[r];
       check(cudaSetDevice(s.device), "cudaSetDevice");
       check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      const auto len = static_cast<std::size_t>(s.end - s.begin);
-      const auto scales = static_cast<std::size_t>(s.sizes.scales);
-      h.master.resize(len * master_bytes);
-      h.exp_avg.resize(static_cast<std::size_t>(s.sizes.exp_avg_bytes));
-      h.exp_avg_sq.resize(static_cast<std::size_t>(s.sizes.exp_avg_sq_bytes));
-      h.exp_avg_scale.resize(scales);
-      h.exp_avg_sq_scale.resize(scales);
-      h.grad.assign(len, 0);
-      h.model.resize(len);
+      h = HostBuffers(layout_, s.begin, s.end, config_);
       const auto copy = [](void* to, const void* from, std::size_t bytes) {
         if (bytes > 0) check(cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
       };
       copy(h.master.data(), s.master, h.master.size());
       copy(h.exp_avg.data(), s.exp_avg, h.exp_avg.size());
       copy(h.exp_avg_sq.data(), s.exp_avg_sq, h.exp_avg_sq.size());
-      copy(h.exp_avg_scale.data(), s.exp_avg_scale, scales * sizeof(float));
-      copy(h.exp_avg_sq_scale.data(), s.exp_avg_sq_scale, scales * sizeof(float));
-      copy(h.model.data(), s.model, len * 2);
-      halfstep::ParamTensor flat;
-      flat.master = h.master.empty() ? nullptr : h.master.data();
-      flat.grad = h.grad.data();
-      flat.exp_avg = h.exp_avg.data();
-      flat.exp_avg_sq = h.exp_avg_sq.data();
-      flat.model = h.model.data();
-      flat.numel = s.end - s.begin;
-      flat.exp_avg_scale = h.exp_avg_scale.data();
-      flat.exp_avg_sq_scale = h.exp_avg_sq_scale.data();
-      h.pieces = halfstep::shard(layout_, s.begin, s.end, flat, config_);
-      pieces.push_back(&h.pieces);
+      copy(h.exp_avg_scale.data(), s.exp_avg_scale, h.exp_avg_scale.size() * sizeof(float));
+      copy(h.exp_avg_sq_scale.data(), s.exp_avg_sq_scale, h.exp_avg_sq_scale.size() * sizeof(float));
+      copy(h.model.data(), s.model, h.model.size() * 2);
+      host_pieces[r] = halfstep::shard(layout_, s.begin, s.end, h.flat(), config_);
+      pieces.push_back(&host_pieces[r]);
     }
     check(cudaSetDevice(shards_[0].device), "cudaSetDevice");
     save_gathered(layout_, config_, pieces, *shards_[0].opt, names, path, options);

@@ -56,6 +56,21 @@ std::unique_ptr<Trainer> make_host_ranks(std::vector<std::unique_ptr<Engine>> en
 std::unique_ptr<Trainer> make_nccl_ranks(int ranks, const std::function<std::unique_ptr<Engine>(int rank)>& make_engine,
                                          const halfstep::StepConfig& config);
 
+/// One rank's five flat buffers for the range [begin, end) of `layout`, in host memory, each in its
+/// format under `config` and zeroed (halfstep::shard_state's sizes; block8 scales beside the
+/// moments; no master buffer without a master): what halfstep::shard cuts into pieces.
+struct HostBuffers {
+  std::int64_t begin = 0, end = 0;
+  std::vector<unsigned char> master, exp_avg, exp_avg_sq;
+  std::vector<float> exp_avg_scale, exp_avg_sq_scale;
+  std::vector<std::uint16_t> grad, model;
+  HostBuffers() = default;
+  HostBuffers(const std::vector<halfstep::ParamTensor>& layout, std::int64_t begin, std::int64_t end,
+              const halfstep::StepConfig& config);
+  /// The buffers as the flat tensor of halfstep::shard.
+  halfstep::ParamTensor flat();
+};
+
 /// Saves a checkpoint of whole tensors gathered from the ranks' shards (every piece of every
 /// shard in host memory, laid out as halfstep::shard lays them out), with the optimizer state
 /// (step, scaler, groups) that `state`, any rank's optimizer, holds.
