@@ -215,17 +215,58 @@ __device__ inline unsigned apply_chunk(const TensorDesc& tensor, const ChunkDesc
   return held;
 }
 
+// Where block `b` of a quantized tensor starts in the whole tensor, and its size: the block's row
+// and place in it by a multiply (Divisor32) where the tensor's blocks are numbered below 2^32.
+__device__ inline void block_place(const TensorDesc& tensor, std::int64_t b, std::int64_t& start, int& n) {
+  const Block8Geometry& geo = tensor.blocks;
+  std::int64_t row, in_row;
+  if (tensor.blocks32 != 0) {
+    const auto b32 = static_cast<std::uint32_t>(b);
+    const std::uint32_t q = tensor.per_row.divide(b32);
+    row = q;
+    in_row = b32 - q * static_cast<std::uint32_t>(geo.blocks_per_row);
+  } else {
+    row = b / geo.blocks_per_row;
+    in_row = b % geo.blocks_per_row;
+  }
+  start = row * geo.row + in_row * kBlock8;
+  n = static_cast<int>(in_row + 1 < geo.blocks_per_row ? kBlock8 : geo.row - in_row * kBlock8);
+}
+
+// kW bytes (8) at p, 8-byte aligned: one access.
+__device__ inline void load_codes(const std::uint8_t* p, std::uint8_t (&out)[kBlock8PerLane]) {
+  const uint2 q = load8b<uint2>(p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    out[j] = static_cast<std::uint8_t>(q.x >> (8 * j));
+    out[4 + j] = static_cast<std::uint8_t>(q.y >> (8 * j));
+  }
+}
+__device__ inline void store_codes(std::uint8_t* p, const std::uint8_t (&in)[kBlock8PerLane]) {
+  unsigned x = 0, y = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    x |= static_cast<unsigned>(in[j]) << (8 * j);
+    y |= static_cast<unsigned>(in[4 + j]) << (8 * j);
+  }
+  store8b(p, make_uint2(x, y));
+}
+
 // Pass 2 over one chunk of a tensor with block8 moments: a warp per block, the blocks that start
 // in the chunk (the last may run past its end: pieces hold whole blocks), lane l holding elements
-// 8l .. 8l + 7 of its block (kernels/block8.hpp, warp_update_block8). Blocks are numbered in the
-// whole tensor (block8_geometry.hpp). A held block keeps all it held; returns the elements held (counted on lane 0).
-template <DType kGrad, class Master, bool kDraw>
+// 8l .. 8l + 7 of its block (kernels/block8.hpp, warp_step_block8). Blocks are numbered in the
+// whole tensor (block8_geometry.hpp). A held block keeps all it held; returns the elements held
+// (counted on lane 0). With kVec (TensorDesc::all_vec: every block starts at a multiple of 8 in
+// aligned buffers) a lane reads and writes its 8 elements of each buffer with one vector access;
+// otherwise every element is guarded and accessed alone.
+template <DType kGrad, class Master, bool kDraw, bool kVec>
 __device__ inline unsigned apply_chunk8(const TensorDesc& tensor, const ChunkDesc& chunk, const Decision& d,
-                                        const GroupConsts& k, const Codec8* codecs) {
+                                        const GroupConsts& k, const Codec8* codecs, const float* maps) {
   using PS = typename Master::Stored;
   constexpr int kWarps = kPassThreads / 32;
+  constexpr int kL = kBlock8PerLane;
   const int lane = static_cast<int>(threadIdx.x % 32u);
-  const int first = lane * kBlock8PerLane;
+  const int first = lane * kL;
   const Block8Geometry& geo = tensor.blocks;
   const std::int64_t b_end = geo.first_block_from(tensor.key_offset + chunk.begin + chunk.len);
   auto* master = static_cast<PS*>(tensor.master);
@@ -237,38 +278,86 @@ __device__ inline unsigned apply_chunk8(const TensorDesc& tensor, const ChunkDes
   unsigned held = 0;
   for (std::int64_t b = geo.first_block_from(tensor.key_offset + chunk.begin) + static_cast<int>(threadIdx.x / 32u);
        b < b_end; b += kWarps) {  // warp-uniform
-    const std::int64_t start = geo.block_start(b);  // in the whole tensor
-    const int n = static_cast<int>(geo.block_size(b));
-    const std::int64_t at = start - tensor.key_offset + first;  // this lane's first element in the piece
-    PS ps[kBlock8PerLane];
-    std::uint16_t out[kBlock8PerLane];
-    std::uint8_t mc[kBlock8PerLane], vc[kBlock8PerLane];
-    float g[kBlock8PerLane];
-    std::uint32_t random[kBlock8PerLane];
+    std::int64_t start;  // in the whole tensor
+    int n;
+    block_place(tensor, b, start, n);
+    // kVec: n is a multiple of 8, so a lane holds all of its 8 elements or none; a lane past a short
+    // block's end reads and computes the block's first 8 elements again (lane 0's, with their
+    // random bits): the same finite or non-finite values, so neither the scales nor the vote
+    // change, and it stores nothing.
+    const bool mine = first < n;
+    const int own = kVec && !mine ? 0 : first;
+    const std::int64_t at = start - tensor.key_offset + own;  // this lane's first element in the piece
+    PS ps[kL];
+    std::uint16_t out[kL];
+    std::uint8_t mc[kL], vc[kL];
+    float g[kL];
+    std::uint32_t random[kL];
+    if constexpr (kVec) {
+      if constexpr (Master::kStored) load_vec(master + at, ps);
+      if (Master::kReadsModel) load_vec(model + at, out);
+      load_codes(m_codes + at, mc);
+      load_codes(v_codes + at, vc);
+      if constexpr (kGrad == DType::f32) {
+        GradVector<kGrad> lo, hi;
+        lo.load(tensor.grad, at);
+        hi.load(tensor.grad, at + 4);
 #pragma unroll
-    for (int j = 0; j < kBlock8PerLane; ++j) {
-      const bool mine = first + j < n;
-      ps[j] = Master::kStored && mine ? master[at + j] : PS{};
-      out[j] = Master::kReadsModel && mine ? model[at + j] : std::uint16_t{0};
-      mc[j] = mine ? m_codes[at + j] : kSignedZero8;
-      vc[j] = mine ? v_codes[at + j] : kUnsignedZero8;
-      g[j] = mine ? unscale(load_grad<kGrad>(tensor.grad, at + j), d) : 0.0f;
-      random[j] = kDraw ? element_bits(key, start + first + j) : 0u;
+        for (int j = 0; j < 4; ++j) {
+          g[j] = unscale(lo[j], d);
+          g[4 + j] = unscale(hi[j], d);
+        }
+      } else {
+        GradVector<kGrad> v;
+        v.load(tensor.grad, at);
+#pragma unroll
+        for (int j = 0; j < kL; ++j) g[j] = unscale(v[j], d);
+      }
+      if constexpr (kDraw) {
+        element_bits8(key, start + own, random);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kL; ++j) random[j] = 0u;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kL; ++j) {
+        const bool in = first + j < n;
+        ps[j] = Master::kStored && in ? master[at + j] : PS{};
+        out[j] = Master::kReadsModel && in ? model[at + j] : std::uint16_t{0};
+        mc[j] = in ? m_codes[at + j] : kSignedZero8;
+        vc[j] = in ? v_codes[at + j] : kUnsignedZero8;
+        g[j] = in ? unscale(load_grad<kGrad>(tensor.grad, at + j), d) : 0.0f;
+        random[j] = kDraw ? element_bits(key, start + first + j) : 0u;
+      }
     }
     const std::int64_t s = b - tensor.first_block;
-    float m_scale = tensor.exp_avg_scale[s], v_scale = tensor.exp_avg_sq_scale[s];
-    if (warp_update_block8<Master, kDraw>(codecs[0], codecs[1], ps, out, mc, vc, m_scale, v_scale, g, n, with_model,
-                                          random, k)) {
+    PS ps_new[kL];
+    std::uint16_t model_new[kL];
+    std::uint8_t m_new[kL], v_new[kL];
+    float m_scale = 0.0f, v_scale = 0.0f;
+    if (!warp_step_block8<Master, kDraw, !kVec>(codecs[0], codecs[1], maps, maps + 256, ps, out, mc, vc, tensor.exp_avg_scale[s],
+                                                tensor.exp_avg_sq_scale[s], g, n, with_model, random, k, ps_new,
+                                                model_new, m_new, v_new, m_scale, v_scale)) {
       if (lane == 0) held += static_cast<unsigned>(n);
       continue;
     }
+    if constexpr (kVec) {
+      if (mine) {
+        if constexpr (Master::kStored) store_vec(master + at, ps_new);
+        if (with_model) store_vec(model + at, model_new);
+        store_codes(m_codes + at, m_new);
+        store_codes(v_codes + at, v_new);
+      }
+    } else {
 #pragma unroll
-    for (int j = 0; j < kBlock8PerLane; ++j) {
-      if (first + j < n) {
-        if constexpr (Master::kStored) master[at + j] = ps[j];
-        if (with_model) model[at + j] = out[j];
-        m_codes[at + j] = mc[j];
-        v_codes[at + j] = vc[j];
+      for (int j = 0; j < kL; ++j) {
+        if (first + j < n) {
+          if constexpr (Master::kStored) master[at + j] = ps_new[j];
+          if (with_model) model[at + j] = model_new[j];
+          m_codes[at + j] = m_new[j];
+          v_codes[at + j] = v_new[j];
+        }
       }
     }
     if (lane == 0) {
@@ -299,8 +388,18 @@ __global__ void __launch_bounds__(kPassThreads, kM == MomentFormat::block8 ? 2 :
   if constexpr (kM == MomentFormat::block8) {  // a warp per block; a tensor that keeps wide moments: fp32
     using W = Formats<kModel, kMaster, MomentFormat::f32, MomentFormat::f32>;
     if (tensor.quantized != 0) {
-      held = stochastic != 0 ? apply_chunk8<kGrad, typename W::Master, true>(tensor, chunk, d, k, codecs)
-                             : apply_chunk8<kGrad, typename W::Master, false>(tensor, chunk, d, k, codecs);
+      using WM = typename W::Master;
+      // Both maps in shared memory, decoded from with 32-bit addresses (exp_avg's, then exp_avg_sq's).
+      HALFSTEP_SHARED(float[2 * 256], maps);
+      for (int i = static_cast<int>(threadIdx.x); i < 2 * 256; i += kPassThreads) maps[i] = codecs[i / 256].map.value[i % 256];
+      __syncthreads();
+      if (tensor.all_vec) {
+        held = stochastic != 0 ? apply_chunk8<kGrad, WM, true, true>(tensor, chunk, d, k, codecs, maps)
+                               : apply_chunk8<kGrad, WM, false, true>(tensor, chunk, d, k, codecs, maps);
+      } else {
+        held = stochastic != 0 ? apply_chunk8<kGrad, WM, true, false>(tensor, chunk, d, k, codecs, maps)
+                               : apply_chunk8<kGrad, WM, false, false>(tensor, chunk, d, k, codecs, maps);
+      }
     } else if constexpr (W::kNarrow) {
       held = stochastic != 0 ? apply_chunk<kGrad, W, true>(tensor, chunk, d, k) : apply_chunk<kGrad, W, false>(tensor, chunk, d, k);
     } else {

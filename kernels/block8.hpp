@@ -82,32 +82,87 @@ inline constexpr std::uint8_t kUnsignedZero8 = 0;  ///< the unsigned map's code 
 
 // -- the codec of a map ----------------------------------------------------------------------------
 //
-// Encoding works on magnitudes. A magnitude y's floor (the largest map magnitude <= y) is found
-// without a search: a guess table indexed by y's fp32 exponent and top 7 fraction bits (one entry
-// per 1/128 of an octave, octaves 2^-22 .. 2^0) holds the floor of the entry's lowest value, and
-// no entry's range holds more than one map magnitude past it (both maps: the densest, the top
-// decade's, are 0.9/128 apart, at least 1/142 of their value; an entry spans 1/128 of its
-// octave's start, less than that gap — the tests check it entry by entry), so one comparison
-// finishes. Magnitudes below 2^-22 lie under both maps' smallest positive value (3.25e-7 and
-// 5.5e-7), those from 2^1 up over 1. That is four shared-memory reads a value and, on sm_90, 29
-// SASS instructions to nearest and 35 stochastically, against 63 and 71 for a binary search of
-// the map (eight dependent reads, then the two neighbours): bench/RESULTS.md.
+// Encoding works on magnitudes y, without a search. A guess table indexed by y's fp32 exponent and
+// top 7 fraction bits (one entry per 1/128 of an octave, octaves 2^-23 .. 2^0) holds, for the
+// entry's lowest value, the answer and the one boundary past it that the entry's range may hold
+// (no entry holds two: the densest boundaries, the top decade's, are 0.9/128 of a decade apart, at
+// least 1/142 of their value, and an entry spans 1/128 of its octave's start; the tests check it
+// entry by entry), so one read and one comparison give the result:
+//
+// - to nearest, the boundaries are thresholds: T_j is the smallest fp32 y that the rule "up when
+//   y - m[j-1] > m[j] - y, in fp32" sends to m[j] (a tie to the smaller magnitude), and the code's
+//   magnitude index is the number of thresholds at or below y;
+// - stochastically, they are the magnitudes: the floor index p is the number of magnitudes at or
+//   below y (less one), and the step from m[p] (lo) to m[p+1] (its gap, hi - lo in fp32, read with lo)
+//   is taken with probability (y - lo) / gap, from 16 random bits.
+//
+// The thresholds are computed from that fp32 rule itself (near the map's lowest values, where
+// neighbours are more than a factor 2 apart, y - m[j-1] is not exact and the rule is not the exact
+// midpoint), so a table lookup gives bit for bit the rule's answer. Magnitudes below 2^-23 (1.2e-7)
+// lie under both maps' first threshold (1.6e-7 and 2.8e-7, halfway to their smallest positive
+// values), so the first entry answers for them too; those from 2^1 up lie over 1. On
+// sm_90 that is one 8-byte read a value to nearest, two stochastically (bench/RESULTS.md).
 
 inline constexpr int kGuessBits8 = 7;                          ///< fraction bits that index the guess
-inline constexpr int kGuessOctaves8 = 23;                      ///< 2^-22 .. 2^0
-inline constexpr int kGuessLowest8 = 127 - 22;                 ///< the lowest octave's biased exponent
+inline constexpr int kGuessOctaves8 = 24;                      ///< 2^-23 .. 2^0
+inline constexpr int kGuessLowest8 = 127 - 23;                 ///< the lowest octave's biased exponent
 inline constexpr int kGuessEntries8 = kGuessOctaves8 << kGuessBits8;
 
-/// A map with what encoding it needs: its magnitudes (the values >= 0, ascending, then +inf)
-/// and the guess table.
+/// One entry of a guess table: the answer for the entry's lowest value, and the boundary past it
+/// (+inf where there is none): a value at or past `next` takes index + 1.
+struct alignas(8) Guess8 {
+  float next;
+  std::int32_t index;
+};
+
+/// A magnitude and the gap to the next one (fp32 hi - lo; +inf past 1), read together.
+struct alignas(8) Step8 {
+  float lo;
+  float gap;
+};
+
+/// A map with what encoding it needs.
 struct Codec8 {
   Map8 map;                          ///< code -> value (decode)
-  float magnitude[258];              ///< 0 .. 1, then +inf (twice: a value past 1 reads two
-                                     ///< past its floor): 129 values signed, 256 unsigned
-  std::uint8_t guess[kGuessEntries8];  ///< floor index into magnitude of each entry's lowest value
+  float magnitude[258];              ///< the values >= 0, ascending, then +inf (twice): 129 values
+                                     ///< signed, 256 unsigned
+  Guess8 nearest[kGuessEntries8];    ///< to nearest: magnitude index of the entry's lowest value,
+                                     ///< and the next threshold
+  Guess8 floor[kGuessEntries8];      ///< stochastic: floor index of the entry's lowest value, and
+                                     ///< the next magnitude
+  Step8 step[257];                   ///< floor index -> its magnitude and the gap above it
   int top;                           ///< the index of 1 in magnitude: 128 signed, 255 unsigned
   bool is_signed;
 };
+
+namespace map8_detail {
+/// 2^floor(log2 x), for x > 0 normal (a loop: no bit casts in constant expressions).
+constexpr double binade(double x) {
+  double e = 1.0;
+  while (e * 2.0 <= x) e *= 2.0;
+  while (e > x) e /= 2.0;
+  return e;
+}
+/// The fp32 neighbours of a positive normal fp32 value.
+constexpr float next_up(float f) { return static_cast<float>(static_cast<double>(f) + binade(f) * 0x1p-23); }
+constexpr float next_down(float f) {
+  const double e = binade(f);
+  return static_cast<float>(static_cast<double>(f) - (static_cast<double>(f) == e ? e * 0x1p-24 : e * 0x1p-23));
+}
+/// The rule to nearest between neighbours lo < hi, in fp32 (a difference of two fp32 values of
+/// the map is exact in double; one cast rounds it as an fp32 subtraction does): does y go up?
+constexpr bool nearest_goes_up(float y, float lo, float hi) {
+  return static_cast<float>(static_cast<double>(y) - lo) > static_cast<float>(static_cast<double>(hi) - y);
+}
+/// The smallest fp32 y that the rule sends from lo up to hi (the rule only turns from no to yes
+/// as y grows: fp32 rounding is monotone).
+constexpr float threshold(float lo, float hi) {
+  float y = static_cast<float>((static_cast<double>(lo) + hi) / 2.0);
+  while (nearest_goes_up(y, lo, hi)) y = next_down(y);
+  while (!nearest_goes_up(y, lo, hi)) y = next_up(y);
+  return y;
+}
+}  // namespace map8_detail
 
 constexpr Codec8 make_codec8(bool is_signed) {
   Codec8 c{};
@@ -117,25 +172,43 @@ constexpr Codec8 make_codec8(bool is_signed) {
   c.top = 255 - zero;
   for (int p = 0; p <= c.top; ++p) c.magnitude[p] = c.map.value[zero + p];
   for (int p = c.top + 1; p < 258; ++p) c.magnitude[p] = __builtin_huge_valf();
-  // Entry e covers [2^(o-22)·(1 + j/128), 2^(o-22)·(1 + (j+1)/128)) for o = e / 128, j = e % 128;
-  // its floor only grows with e, so one pass over the magnitudes fills the table.
-  int p = 0;
+  float thresholds[257] = {};  // thresholds[j]: from magnitude j - 1 to j (j = 1 .. top); +inf past
+  for (int j = 1; j <= c.top; ++j) thresholds[j] = map8_detail::threshold(c.magnitude[j - 1], c.magnitude[j]);
+  thresholds[c.top + 1] = __builtin_huge_valf();
+  for (int p = 0; p <= c.top; ++p) {
+    c.step[p].lo = c.magnitude[p];
+    c.step[p].gap = p < c.top ? static_cast<float>(static_cast<double>(c.magnitude[p + 1]) - c.magnitude[p])
+                              : __builtin_huge_valf();
+  }
+  for (int p = c.top + 1; p < 257; ++p) c.step[p] = Step8{__builtin_huge_valf(), __builtin_huge_valf()};
+  // Entry e covers [2^(o-23)·(1 + j/128), 2^(o-23)·(1 + (j+1)/128)) for o = e / 128, j = e % 128;
+  // both answers only grow with e, so one pass over the boundaries fills each table.
+  int p = 0, q = 0;
   double octave = 1.0;
-  for (int o = 0; o < 22; ++o) octave /= 2.0;
+  for (int o = 0; o < 23; ++o) octave /= 2.0;
   for (int e = 0; e < kGuessEntries8; ++e) {
     if (e > 0 && e % (1 << kGuessBits8) == 0) octave *= 2.0;
     const double lowest = octave * (1.0 + static_cast<double>(e % (1 << kGuessBits8)) / (1 << kGuessBits8));
     while (p < c.top && static_cast<double>(c.magnitude[p + 1]) <= lowest) ++p;
-    c.guess[e] = static_cast<std::uint8_t>(p);
+    while (q < c.top && static_cast<double>(thresholds[q + 1]) <= lowest) ++q;
+    c.floor[e] = Guess8{c.magnitude[p + 1], p};
+    c.nearest[e] = Guess8{thresholds[q + 1], q};
   }
   return c;
 }
 
-/// The two codecs for host code (device code copies them into shared memory).
+/// The two codecs for host code (device code reads copies in device memory).
 inline constexpr Codec8 kSignedCodec8 = make_codec8(true);
 inline constexpr Codec8 kUnsignedCodec8 = make_codec8(false);
 
 // -- one value -----------------------------------------------------------------------------------
+
+/// The guess table entry of |x|: its exponent and top fraction bits, |x| first clamped to the
+/// table's range (below 2^-23 the first entry, from 2^1 the last; NaN, never encoded, the first).
+HALFSTEP_HD inline int guess_entry8(float x) {
+  const float y = fminf(fmaxf(fabsf(x), 0x1p-23f), 0x1.fffffep0f);
+  return static_cast<int>(bits_of(y) >> (23 - kGuessBits8)) - (kGuessLowest8 << kGuessBits8);
+}
 
 /// The code of `x`, a value already divided by its block's absmax (|x| <= 1 up to the rounding of
 /// that division; beyond the map's ends the end codes), encoded by its magnitude: to the nearest
@@ -149,24 +222,21 @@ inline constexpr Codec8 kUnsignedCodec8 = make_codec8(false);
 /// only its own sign handling; encode8 below reads it from the codec.
 template <bool kSigned>
 HALFSTEP_HD inline std::uint8_t encode8_as(const Codec8& codec, float x, bool stochastic, std::uint32_t random, bool positive) {
-  const std::uint32_t bits = bits_of(x);
   const float y = x < 0.0f ? -x : x;
-  int e = static_cast<int>((bits & 0x7FFFFFFFu) >> (23 - kGuessBits8)) - (kGuessLowest8 << kGuessBits8);
-  e = e < 0 ? 0 : e >= kGuessEntries8 ? kGuessEntries8 - 1 : e;
-  int p = codec.guess[e];
-  const float m0 = codec.magnitude[p], m1 = codec.magnitude[p + 1], m2 = codec.magnitude[p + 2];
-  const bool past = m1 <= y;  // the one magnitude the entry may hold past its guess
-  p += past ? 1 : 0;
-  const float lo = past ? m1 : m0, hi = past ? m2 : m1;  // hi is +inf above 1: never up
-  const float below = y - lo;
-  bool up;
+  const int e = guess_entry8(x);
+  int p;
   if (stochastic) {
-    // u = (r + 1/2)·2^-16, r uniform in [0, 2^16): P(u·(hi - lo) < below) = below / (hi - lo).
-    up = below > (hi - lo) * ((static_cast<float>(random & 0xFFFFu) + 0.5f) * 0x1p-16f);
+    const Guess8 g = codec.floor[e];
+    p = g.index + (y >= g.next ? 1 : 0);  // the floor: the entry holds at most one magnitude past its guess
+    const Step8 s = codec.step[p];        // gap is +inf above 1: never up
+    // u = (r + 1/2)·2^-16, r uniform in [0, 2^16), made exactly as 1 + u in fp32's fraction bits
+    // less 1: P(u·gap < y - lo) = (y - lo) / gap.
+    const float u = float_of(0x3F800040u | (random & 0xFFFFu) << 7) - 1.0f;
+    p += y - s.lo > s.gap * u ? 1 : 0;
   } else {
-    up = below > hi - y;
+    const Guess8 g = codec.nearest[e];
+    p = g.index + (y >= g.next ? 1 : 0);  // the entry holds at most one threshold past its guess
   }
-  p += up ? 1 : 0;
   if (positive && p == 0) p = 1;
   if (!kSigned) return static_cast<std::uint8_t>(p);
   if (x < 0.0f) return static_cast<std::uint8_t>(kSignedZero8 - (p < kSignedZero8 ? p : kSignedZero8));
@@ -186,6 +256,8 @@ HALFSTEP_HD inline float scale8(float absmax) { return absmax >= 0x1p-126f ? abs
 HALFSTEP_HD inline float inverse8(float scale) { return scale != 0.0f ? 1.0f / scale : 0.0f; }
 /// The value of `code` in a block with scale `scale`.
 HALFSTEP_HD inline float decode8(const Codec8& codec, std::uint8_t code, float scale) { return codec.map.value[code] * scale; }
+/// The same from a copy of the map's 256 values (pass 2 reads them from shared memory).
+HALFSTEP_HD inline float decode8(const float* map, std::uint8_t code, float scale) { return map[code] * scale; }
 
 // -- one block -------------------------------------------------------------------------------------
 
@@ -233,16 +305,14 @@ __device__ inline bool warp_encode_block8_as(const Codec8& codec, const float (&
   for (int j = 0; j < kBlock8PerLane; ++j) {
     if (kFull || first + j < n) {
       if (kChecked) finite = finite && finite32(x[j]);
-      const float a = x[j] < 0.0f ? -x[j] : x[j];
-      absmax = a > absmax ? a : absmax;
+      // The largest magnitude; a maximum of finite values (a non-finite one returns below), so
+      // the same whatever the order and the same as encode_block8's.
+      absmax = fmaxf(absmax, fabsf(x[j]));
     }
   }
   if (kChecked && __all_sync(0xFFFFFFFFu, finite ? 1 : 0) == 0) return false;
 #pragma unroll
-  for (int lanes = 16; lanes >= 1; lanes >>= 1) {
-    const float other = __shfl_xor_sync(0xFFFFFFFFu, absmax, lanes);
-    absmax = other > absmax ? other : absmax;
-  }
+  for (int lanes = 16; lanes >= 1; lanes >>= 1) absmax = fmaxf(absmax, __shfl_xor_sync(0xFFFFFFFFu, absmax, lanes));
   scale = scale8(absmax);
   const float inverse = inverse8(scale);
 #pragma unroll
@@ -276,14 +346,14 @@ __device__ inline bool warp_encode_block8(const Codec8& codec, const float (&x)[
 /// One element of a block: its new master (ps_new, model_new), exp_avg (m) and sqrt(exp_avg_sq)
 /// (root), and whether all are finite. Nothing is written in place.
 template <class Master, bool kDraw>
-HALFSTEP_HD inline bool update_element8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
+HALFSTEP_HD inline bool update_element8(const float* exp_avg_map, const float* exp_avg_sq_map,
                                         const typename Master::Stored& ps, std::uint16_t model, std::uint8_t m_code,
                                         std::uint8_t v_code, float m_scale, float v_scale, float g, bool with_model,
                                         std::uint32_t random, const GroupConsts& k, typename Master::Stored& ps_new,
                                         std::uint16_t& model_new, float& m, float& root) {
   float p = Master::decode(ps, model);
-  m = decode8(exp_avg_codec, m_code, m_scale);
-  const float r = decode8(exp_avg_sq_codec, v_code, v_scale);
+  m = decode8(exp_avg_map, m_code, m_scale);
+  const float r = decode8(exp_avg_sq_map, v_code, v_scale);
   float v = r * r;
   adamw_update(p, m, v, g, k);
   root = sqrtf(v);
@@ -312,7 +382,8 @@ HALFSTEP_HD inline bool update_block8(const Codec8& exp_avg_codec, const Codec8&
     // is written or read, no random bits to nearest.
     const typename Master::Stored stored = Master::kStored ? ps[i] : typename Master::Stored{};
     const std::uint16_t weight = with_model ? model[i] : std::uint16_t{0};
-    ok = update_element8<Master, kDraw>(exp_avg_codec, exp_avg_sq_codec, stored, weight, m_codes[i], v_codes[i], m_scale,
+    ok = update_element8<Master, kDraw>(exp_avg_codec.map.value, exp_avg_sq_codec.map.value, stored, weight, m_codes[i],
+                                        v_codes[i], m_scale,
                                         v_scale, g[i], with_model, kDraw ? random[i] : 0u, k, ps_new[i], model_new[i],
                                         m[i], root[i]) &&
          ok;
@@ -334,18 +405,32 @@ HALFSTEP_HD inline bool update_block8(const Codec8& exp_avg_codec, const Codec8&
 }
 
 #if defined(__CUDACC__) || defined(HALFSTEP_EMULATED)
-/// The body of warp_update_block8; kFull: a whole block, compiled without the short block's guards.
-template <class Master, bool kDraw, bool kFull>
-__device__ inline bool warp_update_block8_body(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
-                                               typename Master::Stored (&ps)[kBlock8PerLane],
-                                               std::uint16_t (&model)[kBlock8PerLane],
-                                               std::uint8_t (&m_codes)[kBlock8PerLane],
-                                               std::uint8_t (&v_codes)[kBlock8PerLane], float& m_scale, float& v_scale,
-                                               const float (&g)[kBlock8PerLane], int n, bool with_model,
-                                               const std::uint32_t (&random)[kBlock8PerLane], const GroupConsts& k) {
+/// One block's AdamW step by a warp, all 32 lanes together (1-D thread blocks of a multiple of 32
+/// threads; n, the scales and the codecs the same on every lane; the maps decoded from are the
+/// codecs' own or copies of them): lane l holds elements 8l + j of
+/// the block in the inputs and gets their new values in the outputs; returns, the same on every
+/// lane, whether the block applies (every new value finite): if not, the caller keeps all it
+/// holds. Nothing is written in place, and the encodes run either way (their codes of a held block
+/// are never stored), so the common path has no branch. kGuarded: only elements below n are the
+/// block's (the others get zeros); without it every lane's 8 elements are computed, and a lane
+/// past n must hold neutral inputs (zeros: master 0, the maps' 0 codes, gradient 0), whose results
+/// are finite zeros that change neither scale nor vote and are never stored. Bit for bit
+/// update_block8 where both compile alike (the emulated device and the host, without
+/// contraction). `exp_avg_codec` is the signed map's, `exp_avg_sq_codec` the unsigned map's.
+template <class Master, bool kDraw, bool kGuarded>
+__device__ inline bool warp_step_block8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
+                                        const float* exp_avg_map, const float* exp_avg_sq_map,
+                                        const typename Master::Stored (&ps)[kBlock8PerLane],
+                                        const std::uint16_t (&model)[kBlock8PerLane],
+                                        const std::uint8_t (&m_codes)[kBlock8PerLane],
+                                        const std::uint8_t (&v_codes)[kBlock8PerLane], float m_scale, float v_scale,
+                                        const float (&g)[kBlock8PerLane], int n, bool with_model,
+                                        const std::uint32_t (&random)[kBlock8PerLane], const GroupConsts& k,
+                                        typename Master::Stored (&ps_new)[kBlock8PerLane],
+                                        std::uint16_t (&model_new)[kBlock8PerLane],
+                                        std::uint8_t (&m_new)[kBlock8PerLane], std::uint8_t (&v_new)[kBlock8PerLane],
+                                        float& m_scale_new, float& v_scale_new) {
   const int first = static_cast<int>(threadIdx.x % 32u) * kBlock8PerLane;
-  typename Master::Stored ps_new[kBlock8PerLane];
-  std::uint16_t model_new[kBlock8PerLane];
   float m[kBlock8PerLane], root[kBlock8PerLane];
   bool ok = true;
 #pragma unroll
@@ -354,22 +439,43 @@ __device__ inline bool warp_update_block8_body(const Codec8& exp_avg_codec, cons
     model_new[j] = 0;
     m[j] = 0.0f;
     root[j] = 0.0f;
-    if (kFull || first + j < n) {
-      ok = update_element8<Master, kDraw>(exp_avg_codec, exp_avg_sq_codec, ps[j], model[j], m_codes[j], v_codes[j],
+    if (!kGuarded || first + j < n) {
+      ok = update_element8<Master, kDraw>(exp_avg_map, exp_avg_sq_map, ps[j], model[j], m_codes[j], v_codes[j],
                                           m_scale, v_scale, g[j], with_model, random[j], k, ps_new[j], model_new[j], m[j],
                                           root[j]) &&
            ok;
     }
   }
-  if (__all_sync(0xFFFFFFFFu, ok ? 1 : 0) == 0) return true;
+  const bool apply = __all_sync(0xFFFFFFFFu, ok ? 1 : 0) != 0;
+  // The values are finite when the block applies: neither encode votes again.
+  warp_encode_block8_as<true, false, !kGuarded>(exp_avg_codec, m, n, false, random, 0, false, m_new, m_scale_new);
+  warp_encode_block8_as<false, false, !kGuarded>(exp_avg_sq_codec, root, n, kDraw, random, 16, true, v_new, v_scale_new);
+  return apply;
+}
+
+/// update_block8 by a warp (warp_step_block8, then the new values in place unless the block is
+/// held): every lane returns true, changing nothing, if the block is held. Elements past n are
+/// left alone.
+template <class Master, bool kDraw>
+__device__ inline bool warp_update_block8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
+                                          typename Master::Stored (&ps)[kBlock8PerLane],
+                                          std::uint16_t (&model)[kBlock8PerLane], std::uint8_t (&m_codes)[kBlock8PerLane],
+                                          std::uint8_t (&v_codes)[kBlock8PerLane], float& m_scale, float& v_scale,
+                                          const float (&g)[kBlock8PerLane], int n, bool with_model,
+                                          const std::uint32_t (&random)[kBlock8PerLane], const GroupConsts& k) {
+  typename Master::Stored ps_new[kBlock8PerLane];
+  std::uint16_t model_new[kBlock8PerLane];
   std::uint8_t mc[kBlock8PerLane], vc[kBlock8PerLane];
   float ms = 0.0f, vs = 0.0f;
-  // Every value is finite now: neither encode votes again.
-  warp_encode_block8_as<true, false, kFull>(exp_avg_codec, m, n, false, random, 0, false, mc, ms);
-  warp_encode_block8_as<false, false, kFull>(exp_avg_sq_codec, root, n, kDraw, random, 16, true, vc, vs);
+  if (!warp_step_block8<Master, kDraw, true>(exp_avg_codec, exp_avg_sq_codec, exp_avg_codec.map.value,
+                                             exp_avg_sq_codec.map.value, ps, model, m_codes, v_codes, m_scale,
+                                             v_scale, g, n, with_model, random, k, ps_new, model_new, mc, vc, ms, vs)) {
+    return true;
+  }
+  const int first = static_cast<int>(threadIdx.x % 32u) * kBlock8PerLane;
 #pragma unroll
   for (int j = 0; j < kBlock8PerLane; ++j) {
-    if (kFull || first + j < n) {
+    if (first + j < n) {
       if (Master::kStored) ps[j] = ps_new[j];
       if (with_model) model[j] = model_new[j];
       m_codes[j] = mc[j];
@@ -379,28 +485,6 @@ __device__ inline bool warp_update_block8_body(const Codec8& exp_avg_codec, cons
   m_scale = ms;
   v_scale = vs;
   return false;
-}
-
-/// update_block8 by a warp, all 32 lanes together (1-D thread blocks of a multiple of 32 threads;
-/// n, the scales and the codecs the same on every lane): lane l holds elements 8l + j of the block
-/// (the first n are the block's) and gets its own new values in place; every lane returns true,
-/// changing nothing, if the block is held. Bit for bit update_block8 where both compile alike (the
-/// emulated device and the host, without contraction); on hardware nvcc contracts AdamW's
-/// arithmetic into FMAs, as it does for every format. `exp_avg_codec` is the signed map's,
-/// `exp_avg_sq_codec` the unsigned map's.
-template <class Master, bool kDraw>
-__device__ inline bool warp_update_block8(const Codec8& exp_avg_codec, const Codec8& exp_avg_sq_codec,
-                                          typename Master::Stored (&ps)[kBlock8PerLane],
-                                          std::uint16_t (&model)[kBlock8PerLane], std::uint8_t (&m_codes)[kBlock8PerLane],
-                                          std::uint8_t (&v_codes)[kBlock8PerLane], float& m_scale, float& v_scale,
-                                          const float (&g)[kBlock8PerLane], int n, bool with_model,
-                                          const std::uint32_t (&random)[kBlock8PerLane], const GroupConsts& k) {
-  if (n == kBlock8) {
-    return warp_update_block8_body<Master, kDraw, true>(exp_avg_codec, exp_avg_sq_codec, ps, model, m_codes, v_codes,
-                                                        m_scale, v_scale, g, n, with_model, random, k);
-  }
-  return warp_update_block8_body<Master, kDraw, false>(exp_avg_codec, exp_avg_sq_codec, ps, model, m_codes, v_codes,
-                                                       m_scale, v_scale, g, n, with_model, random, k);
 }
 #endif
 

@@ -54,6 +54,32 @@ struct Block8Geometry {
   }
 };
 
+/// Unsigned 32-bit division by a divisor fixed at setup, with a multiply instead of a division
+/// (Granlund and Montgomery, "Division by invariant integers using multiplication", 1994, fig.
+/// 4.1): for 1 <= d < 2^32 and l = ceil(log2 d), m = floor(2^32 · (2^l - d) / d) + 1 and
+/// q = (t + ((n - t) >> min(l, 1))) >> max(l - 1, 0) with t = the high word of m·n give
+/// q = floor(n / d) for every n < 2^32. Pass 2 finds a block's row with it (blocks_per_row).
+struct Divisor32 {
+  std::uint32_t magic = 1;
+  std::uint8_t shift1 = 0, shift2 = 0;
+  std::uint8_t pad_[2] = {0, 0};
+  HALFSTEP_HD std::uint32_t divide(std::uint32_t n) const {
+    const std::uint32_t t = static_cast<std::uint32_t>((static_cast<std::uint64_t>(magic) * n) >> 32);
+    return (t + ((n - t) >> shift1)) >> shift2;
+  }
+};
+
+/// The Divisor32 of d (1 <= d < 2^32).
+inline Divisor32 divisor32(std::uint32_t d) {
+  int l = 0;
+  while (l < 32 && (std::uint64_t{1} << l) < d) ++l;
+  Divisor32 v;
+  v.magic = static_cast<std::uint32_t>(((std::uint64_t{1} << 32) * ((std::uint64_t{1} << l) - d)) / d + 1);
+  v.shift1 = static_cast<std::uint8_t>(l < 1 ? l : 1);
+  v.shift2 = static_cast<std::uint8_t>(l > 1 ? l - 1 : 0);
+  return v;
+}
+
 /// The geometry of a tensor of `numel` elements (>= 0) with rows of `row` elements (0 for one row),
 /// under the rule above; rows that do not divide numel leave the tensor wide.
 HALFSTEP_HD inline Block8Geometry block8_geometry(std::int64_t numel, std::int64_t row) {

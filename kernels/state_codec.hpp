@@ -74,6 +74,14 @@ HALFSTEP_HD inline std::uint32_t element_bits(std::uint64_t tensor, std::int64_t
   const auto lo = static_cast<std::uint32_t>(i), hi = static_cast<std::uint32_t>(i >> 32);
   return fmix32(lo ^ static_cast<std::uint32_t>(tensor) ^ ((hi + static_cast<std::uint32_t>(tensor >> 32)) * 0x9E3779B9u));
 }
+/// element_bits of the 8 elements index .. index + 7, for `index` a multiple of 8: they share the
+/// upper half of the index (its low half is below 2^32 - 7), so the key's mixing is done once.
+HALFSTEP_HD inline void element_bits8(std::uint64_t tensor, std::int64_t index, std::uint32_t (&out)[8]) {
+  const auto i = static_cast<std::uint64_t>(index);
+  const auto lo = static_cast<std::uint32_t>(i), hi = static_cast<std::uint32_t>(i >> 32);
+  const std::uint32_t c = static_cast<std::uint32_t>(tensor) ^ ((hi + static_cast<std::uint32_t>(tensor >> 32)) * 0x9E3779B9u);
+  for (int j = 0; j < 8; ++j) out[j] = fmix32((lo | static_cast<std::uint32_t>(j)) ^ c);
+}
 
 // -- bfloat16 ---------------------------------------------------------------------------------------
 

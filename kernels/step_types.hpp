@@ -38,16 +38,20 @@ struct TensorDesc {
   std::int32_t group;
   std::uint32_t key_id;    // the tensor's id in stochastic rounding's bits (ParamTensor::tensor_id)
   std::uint8_t grad_vec;   // grad is 16-byte aligned: pass 1 may use vector loads
-  std::uint8_t all_vec;    // every buffer is 16-byte aligned: pass 2 may use vector accesses
+  std::uint8_t all_vec;    // every buffer is 16-byte aligned (block8 moments: and every block starts
+                           // at a multiple of 8 elements): pass 2 may use vector accesses
   std::uint8_t in_norm;    // counted in Σg² and the subnormal/zero counts (no ParamTensor::duplicate)
   std::uint8_t quantized;  // block8 moments as codes and scales (moment_blocks); else fp32 moments
-  std::uint8_t pad_[4];
+  std::uint8_t blocks32;   // quantized: the whole tensor's blocks are numbered below 2^32
+  std::uint8_t pad_[3];
   // A quantized tensor's blocks: a scale per block of this piece, from block first_block of the
-  // whole tensor, whose blocks lie as `blocks` says.
+  // whole tensor, whose blocks lie as `blocks` says; per_row divides a block number by
+  // blocks.blocks_per_row (with blocks32).
   float* exp_avg_scale;
   float* exp_avg_sq_scale;
   Block8Geometry blocks;
   std::int64_t first_block;
+  Divisor32 per_row;
 };
 
 /// One chunk: elements [begin, begin + len) of tensor `tensor`. Chunks are ordered by tensor.

@@ -222,7 +222,7 @@ class CudaImpl final : public FusedAdamW::Impl {
         const ParamTensor& p = next[first + static_cast<std::size_t>(i)];
         batch.grad[i] = p.numel > 0 ? p.grad : nullptr;
         batch.flags[i] = static_cast<std::uint8_t>((p.grad != nullptr && reinterpret_cast<std::uintptr_t>(p.grad) % 16 == 0 ? 1 : 0) |
-                                                   (all_aligned(p) ? 2 : 0));
+                                                   (all_aligned(p, config_) ? 2 : 0));
       }
       launch_set_grads(ws_.tensors, ws_.inputs, batch, stream);
       if (next.empty()) break;
@@ -320,10 +320,10 @@ class CudaImpl final : public FusedAdamW::Impl {
     write_state(OptimizerState::initial(config_));
     const std::uint32_t hint = initial_window_hint(config_);
     upload(ws_.window_hint, &hint, 1);
-    if (config_.state.exp_avg == MomentFormat::block8) {  // the two maps and their guess tables, read by pass 2
-      const Codec8 codecs[2] = {kSignedCodec8, kUnsignedCodec8};
-      HALFSTEP_CUDA_CHECK(cudaMalloc(&codecs_.ptr, sizeof codecs));
-      upload(static_cast<Codec8*>(codecs_.ptr), codecs, 2);
+    if (config_.state.exp_avg == MomentFormat::block8) {  // the two codecs (maps and guess tables), read by pass 2
+      HALFSTEP_CUDA_CHECK(cudaMalloc(&codecs_.ptr, 2 * sizeof(Codec8)));
+      upload(static_cast<Codec8*>(codecs_.ptr), &kSignedCodec8, 1);
+      upload(static_cast<Codec8*>(codecs_.ptr) + 1, &kUnsignedCodec8, 1);
     }
   }
 

@@ -16,9 +16,14 @@ bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 
 
 }  // namespace
 
-bool all_aligned(const ParamTensor& p) {
-  return aligned16(p.master) && p.grad != nullptr && aligned16(p.grad) && aligned16(p.exp_avg) &&
-         aligned16(p.exp_avg_sq) && (p.numel == 0 || p.model == nullptr || aligned16(p.model));
+bool all_aligned(const ParamTensor& p, const StepConfig& config) {
+  const bool buffers = aligned16(p.master) && p.grad != nullptr && aligned16(p.grad) && aligned16(p.exp_avg) &&
+                       aligned16(p.exp_avg_sq) && (p.numel == 0 || p.model == nullptr || aligned16(p.model));
+  if (!buffers || !moment_blocks(config, p).quantized) return buffers;
+  // A lane of pass 2's block loop accesses 8 consecutive elements of a block from an element that
+  // is a multiple of 8 from the block's start: every block must start at a multiple of 8 in the
+  // piece's buffers (rows of a multiple of 8, a piece starting at a multiple of 8).
+  return block8_geometry_of(p).row % 8 == 0 && p.offset % 8 == 0;
 }
 
 std::int64_t numel_in_norm(const std::vector<ParamTensor>& tensors) {
@@ -57,7 +62,7 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors, const St
     d.group = p.group;
     d.grad_vec = p.grad != nullptr && aligned16(p.grad) ? 1 : 0;
     d.in_norm = p.duplicate ? 0 : 1;
-    d.all_vec = all_aligned(p) ? 1 : 0;
+    d.all_vec = all_aligned(p, config) ? 1 : 0;
     const MomentBlocks blocks = moment_blocks(config, p);
     if (blocks.quantized) {
       d.quantized = 1;
@@ -65,6 +70,8 @@ TensorTable build_tensor_table(const std::vector<ParamTensor>& tensors, const St
       d.exp_avg_sq_scale = p.exp_avg_sq_scale;
       d.blocks = block8_geometry_of(p);
       d.first_block = blocks.first;
+      d.blocks32 = d.blocks.blocks <= 0xFFFFFFFF ? 1 : 0;
+      if (d.blocks32) d.per_row = divisor32(static_cast<std::uint32_t>(d.blocks.blocks_per_row));
     }
     table.tensors.push_back(d);
     for (std::int64_t begin = 0; begin < p.numel; begin += kChunkElems) {

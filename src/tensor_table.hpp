@@ -18,8 +18,9 @@ struct TensorTable {
                                     // that have a gradient
 };
 
-/// Whether every buffer of `p` is 16-byte aligned (pass 2 may use vector accesses).
-bool all_aligned(const ParamTensor& p);
+/// Whether pass 2 may use vector accesses on `p` under `config`: every buffer is 16-byte aligned,
+/// and with block8 moments every block starts at a multiple of 8 elements.
+bool all_aligned(const ParamTensor& p, const StepConfig& config);
 
 /// Elements of the tensors in the norm (no ParamTensor::duplicate) that have a gradient this step.
 std::int64_t numel_in_norm(const std::vector<ParamTensor>& tensors);

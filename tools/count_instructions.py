@@ -17,17 +17,19 @@ that trades instructions for latency.
 Pass 2 (kernels/apply.cu), one kernel per gradient, model, master and moment format, and in each a
 loop per rounding (stochastic rounding draws random bits; rounding to nearest does not): the loop
 with the 8- and 16-byte stores, kW elements an iteration (8 for 16-bit gradients, 4 for fp32),
-counted along its common path (block8 moments: the loop over blocks, a warp each, 8 elements a
-lane, for tensors that are quantized, beside the fp32 loop for those that are not): a branch around an out-of-line call (the slow paths of IEEE
-division and square root, for operands near the ends of fp32's range) is taken, every other
-branch falls through (so the rare path that keeps a held element's model copy is counted). Its
+counted along its common path (block8 moments: the vector loop over blocks, a warp each, 8
+elements a lane with 8- and 16-byte accesses, for tensors that are quantized, beside the fp32 loop
+for those that are not): a branch around an out-of-line call (the slow paths of IEEE division and
+square root, for operands near the ends of fp32's range: at most CALL_REGION instructions with a
+CALL) is taken, every other branch falls through (so the rare path that keeps a held element's
+model copy is counted, and the block loop's encodes, which its vote branches around). Its
 budget is 6.9 x the bytes pass 2 moves per element: the gradient (2 or 4), the master read and
 written (8; a remainder 4, and the model copy it is half of read, 2; without a master the model
 copy, the weight, read, 2), each moment read and written
 (8, or 4 in bf16), the model copy written (2; none counted for fp32 gradients, whose parameters
 are usually their own masters, which gives the smaller budget). --pass2-within-budget fails
-unless every loop is within its budget, but for block8's block loop, not yet within it, which
-must stay under BLOCK8_CEILING. bench/RESULTS.md has the counts.
+unless every loop is within its budget, but for block8's vector block loops, most of which are
+over theirs (issue-bound), which must stay under BLOCK8_CEILING. bench/RESULTS.md has the counts.
 
 With --base REV the kernels of git revision REV are counted too, for a before/after table. With
 --at-most f16=X,bf16=Y,f32=Z the script fails unless pass 1's SASS counts are at most those. Both
@@ -121,10 +123,13 @@ MASTER_BYTES = {"f32": 8, "bf16_remainder": 4 + 2, "none": 2}
 MOMENTS = {"0": ("f32", 8), "1": ("bf16", 4), "2": ("block8", 2)}
 
 
-# The block8 loop (a warp per block of 8-bit moments) is not yet within its bandwidth budget: 99-137
-# SASS instructions per element against budgets of 70-112 (bench/RESULTS.md). Until it is, the
-# CTest holds it under this ceiling, so that it can only get faster.
-BLOCK8_CEILING = 140
+# The block8 loops (a warp per block of 8-bit moments) are not within their bandwidth budgets but
+# for fp32 masters with an fp16 model rounded to nearest: 108-154 SASS instructions per element
+# against budgets of 70-112 (bench/RESULTS.md). Decoding, AdamW with its IEEE square root and
+# division, the master's codec and two 8-bit encodes with their block reductions issue more than the
+# 10-16 bytes an element moves allow, so those steps are bound by instruction issue, not memory.
+# The CTest holds every block loop under this ceiling, so that they can only get faster.
+BLOCK8_CEILING = 160
 
 
 def pass2_format(name):
@@ -154,6 +159,12 @@ def sass_instructions(func):
     return ins
 
 
+# The most instructions a branch around an out-of-line call skips: the call and the moves of its
+# arguments and result. A conditional branch over more is a branch of the loop's own logic, which
+# the common path falls through.
+CALL_REGION = 12
+
+
 def common_path(body):
     """Instructions along a loop body's common path (see the module's docstring)."""
     at = {o: i for i, (o, _) in enumerate(body)}
@@ -168,7 +179,7 @@ def common_path(body):
             target = int(m.group(2), 16)
             if target > off and target in at:
                 skipped = [t for _, t in body[i + 1:at[target]]]
-                if not m.group(1) or any(t.startswith("CALL") for t in skipped):
+                if not m.group(1) or (len(skipped) <= CALL_REGION and any(t.startswith("CALL") for t in skipped)):
                     i = at[target]
                     continue
         i += 1
@@ -192,8 +203,9 @@ def pass2_loops(sass):
             if any(re.search(r"\bSHFL\b", t) for _, t in body):
                 # block8: the loop over blocks, a warp each (its shuffles find the scales), 8
                 # elements a lane, closed by a conditional branch (the unconditional ones jump
-                # back from the out-of-line paths of divergent shuffles)
-                if txt.startswith("@"):
+                # back from the out-of-line paths of divergent shuffles); the vector loop (8-byte
+                # code stores) is counted, the scalar one for unaligned pieces is not
+                if txt.startswith("@") and any(re.search(r"\bST\.E\.64\b", t) for _, t in body):
                     blocks.append(body)
             elif any(re.search(r"\bST\.E\.(128|64)\b", t) for _, t in body):
                 loops.append(body)

@@ -64,7 +64,9 @@ StepConfig config_of(const Setup& s) {
   return c;
 }
 
-// The model's pieces: random weights, empty moments.
+// The model's pieces: random weights, empty moments. Pieces 0, 6, 7 and 8 have rows of a multiple
+// of 8 elements (their blocks start at multiples of 8: pass 2's vector block loop where the buffers
+// are aligned), the others do not (its scalar loop).
 std::vector<Piece> make_model(const StepConfig& c, std::mt19937_64& gen) {
   std::vector<Piece> out = make_pieces(c, {
       {5000, 0, 0, 5000, 0},          // one row: 19 blocks of 256 and one of 136
@@ -73,7 +75,9 @@ std::vector<Piece> make_model(const StepConfig& c, std::mt19937_64& gen) {
       {42000, 300, 15000, 18000, 0},  // a piece of it: rows 50 .. 109
       {100, 0, 0, 100, 0},            // too small: fp32 moments
       {8192, 16, 0, 8192, 0},         // rows shorter than 32: fp32 moments
-      {4096, 512, 0, 4096, 1}}, gen); // the held block's tensor
+      {4096, 512, 0, 4096, 1},        // the held block's tensor
+      {8448, 264, 0, 8448, 0},        // rows of 264: a block of 256 and one of 8 (one lane's)
+      {48000, 1000, 8000, 32000, 0}}, gen); // a piece, rows 8 .. 39 of rows of 1000 (blocks of 232 end them)
   out[6].master[300] = 3.38e38f;  // in block 1 (elements 256 .. 511); its gradient is negative
   set_weights(out[6], c);
   return out;
@@ -95,10 +99,11 @@ struct DevicePiece {
   DeviceArray<std::uint32_t> grad32;
   DeviceArray<std::uint8_t> m8, v8;
 
-  explicit DevicePiece(const Piece& p)
+  // `misaligned`: codes not 16-byte aligned (pass 2's scalar block loop for every piece).
+  DevicePiece(const Piece& p, bool misaligned)
       : master(p.master.size(), 0), m32(p.m32.size(), 0), v32(p.v32.size(), 0), ms(p.ms.size(), 0),
         vs(p.vs.size(), 0), rest(p.rest.size(), 0), grad(p.grad.size(), 0), model(p.model.size(), 0),
-        grad32(p.grad32.size(), 0), m8(p.m8.size(), 1), v8(p.v8.size(), 3) {}  // codes not 16-byte aligned
+        grad32(p.grad32.size(), 0), m8(p.m8.size(), misaligned ? 1 : 0), v8(p.v8.size(), misaligned ? 3 : 0) {}
   void upload(const Piece& p) {
     master.upload(p.master);
     m32.upload(p.m32);
@@ -150,7 +155,8 @@ TEST_CASE("gpu block8 moments: pass 2 matches the reference for every master for
                         Setup{DType::f32, MasterFormat::bf16_remainder, Rounding::stochastic},
                         Setup{DType::bf16, MasterFormat::none, Rounding::stochastic},
                         Setup{DType::bf16, MasterFormat::none, Rounding::nearest}}) {
-    CAPTURE(dtype_name(s.grad), master_format_name(s.master), rounding_name(s.rounding));
+   for (const bool misaligned : {false, true}) {
+    CAPTURE(dtype_name(s.grad), master_format_name(s.master), rounding_name(s.rounding), misaligned);
     const StepConfig c = config_of(s);
     std::mt19937_64 gen(1234);
     std::vector<Piece> ref = make_model(c, gen);
@@ -158,7 +164,7 @@ TEST_CASE("gpu block8 moments: pass 2 matches the reference for every master for
     std::vector<DevicePiece> dev;
     std::vector<ParamTensor> host_views, dev_views;
     for (Piece& p : ref) {
-      dev.emplace_back(p);
+      dev.emplace_back(p, misaligned);
       host_views.push_back(host_view(p, c));
     }
     for (std::size_t t = 0; t < ref.size(); ++t) dev_views.push_back(dev[t].view(ref[t], c));
@@ -231,6 +237,7 @@ TEST_CASE("gpu block8 moments: pass 2 matches the reference for every master for
     CHECK(codes_off * 200 <= codes);
     // The held block kept its weight of 3.38e38 through every step.
     CHECK(weight(ref[6], c, 300) == held_weight);
+   }
   }
 }
 
@@ -240,7 +247,7 @@ TEST_CASE("gpu block8 moments: a skipped step writes nothing", "[gpu][block8]") 
   std::vector<Piece> ref = make_model(c, gen);
   std::vector<DevicePiece> dev;
   std::vector<ParamTensor> views;
-  for (Piece& p : ref) dev.emplace_back(p);
+  for (Piece& p : ref) dev.emplace_back(p, false);
   for (std::size_t t = 0; t < ref.size(); ++t) views.push_back(dev[t].view(ref[t], c));
   FusedAdamW gpu(views, c);
   fill_model_grads(ref, c.grad_dtype, gpu.loss_scale(), gen);
@@ -334,7 +341,7 @@ TEST_CASE("gpu block8 moments: ranks on shard()'s layout step bitwise like one u
     for (const Piece& p : whole) layout.push_back(shape_of(p));
     std::vector<DevicePiece> dev;
     std::vector<ParamTensor> views;
-    for (const Piece& p : whole) dev.emplace_back(p);
+    for (const Piece& p : whole) dev.emplace_back(p, true);
     for (std::size_t t = 0; t < whole.size(); ++t) {
       dev[t].upload(whole[t]);
       views.push_back(dev[t].view(whole[t], c));

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "block8.hpp"
@@ -60,25 +62,120 @@ TEST_CASE("8-bit maps: 256 ascending values, seven decades, 0 and 1 exact", "[bl
   REQUIRE(std::fabs(s.value[200] - s.value[199] - 0.9 / 64) < 1e-7);
 }
 
-TEST_CASE("8-bit codec tables: magnitudes, and a guess no more than one magnitude short", "[block8]") {
+TEST_CASE("8-bit codec tables: magnitudes, thresholds, and guesses no more than one boundary short", "[block8]") {
+  const auto lowest = [](int i) {
+    return std::ldexp(1.0 + (i % (1 << kGuessBits8)) / static_cast<double>(1 << kGuessBits8), i / (1 << kGuessBits8) - 23);
+  };
   for (const Codec8* codec : {&kSignedCodec8, &kUnsignedCodec8}) {
     const int zero = codec->is_signed ? kSignedZero8 : kUnsignedZero8;
     REQUIRE(codec->top == 255 - zero);
     for (int p = 0; p <= codec->top; ++p) REQUIRE(codec->magnitude[p] == codec->map.value[zero + p]);
     REQUIRE(std::isinf(codec->magnitude[codec->top + 1]));
     REQUIRE(std::isinf(codec->magnitude[257]));
-    // Entry e's range [lowest(e), lowest(e + 1)): its guess is the floor of lowest(e), and the
-    // magnitude two past the guess lies at or past lowest(e + 1).
+    for (int p = 0; p <= codec->top; ++p) {
+      REQUIRE(codec->step[p].lo == codec->magnitude[p]);
+      REQUIRE(codec->step[p].gap == (p < codec->top ? codec->magnitude[p + 1] - codec->magnitude[p] : INFINITY));
+    }
+    // The thresholds: T_j is the smallest fp32 value the fp32 rule sends up from magnitude j - 1
+    // to j, checked here with the rule and the fp32 neighbours as <cmath> gives them.
+    std::vector<float> thresholds(static_cast<std::size_t>(codec->top) + 2, INFINITY);
+    for (int j = 1; j <= codec->top; ++j) {
+      const float lo = codec->magnitude[j - 1], hi = codec->magnitude[j];
+      const auto up = [&](float y) { return y - lo > hi - y; };
+      float t = lo + (hi - lo) / 2;
+      while (up(t)) t = std::nextafter(t, 0.0f);
+      while (!up(t)) t = std::nextafter(t, INFINITY);
+      thresholds[static_cast<std::size_t>(j)] = t;
+      REQUIRE(t > lo);
+      REQUIRE(t <= hi);
+    }
+    // Entry e's range [lowest(e), lowest(e + 1)): each table's index is its answer for lowest(e)
+    // and `next` the boundary past it, and the boundary after that lies at or past lowest(e + 1).
+    // Below lowest(0) the answer is 0 in both (the first entry answers for those values too).
+    REQUIRE(codec->floor[0].index == 0);
+    REQUIRE(codec->nearest[0].index == 0);
     for (int e = 0; e < kGuessEntries8; ++e) {
-      const auto lowest = [](int i) {
-        return std::ldexp(1.0 + (i % (1 << kGuessBits8)) / static_cast<double>(1 << kGuessBits8),
-                          i / (1 << kGuessBits8) - 22);
-      };
-      const int g = codec->guess[e];
-      INFO("entry " << e << ", guess " << g);
-      REQUIRE(static_cast<double>(codec->magnitude[g]) <= lowest(e));
-      REQUIRE(static_cast<double>(codec->magnitude[g + 1]) > lowest(e));
-      if (e + 1 < kGuessEntries8) REQUIRE(static_cast<double>(codec->magnitude[g + 2]) >= lowest(e + 1));
+      INFO("entry " << e);
+      const Guess8 f = codec->floor[e], n = codec->nearest[e];
+      REQUIRE(f.index >= 0);
+      REQUIRE(f.index <= codec->top);
+      REQUIRE(static_cast<double>(codec->magnitude[f.index]) <= lowest(e));
+      REQUIRE(f.next == codec->magnitude[f.index + 1]);
+      REQUIRE(static_cast<double>(f.next) > lowest(e));
+      if (e + 1 < kGuessEntries8) REQUIRE(static_cast<double>(codec->magnitude[f.index + 2]) >= lowest(e + 1));
+      REQUIRE(n.index >= 0);
+      REQUIRE(n.index <= codec->top);
+      REQUIRE((n.index == 0 || static_cast<double>(thresholds[static_cast<std::size_t>(n.index)]) <= lowest(e)));
+      REQUIRE(n.next == thresholds[static_cast<std::size_t>(n.index) + 1]);
+      REQUIRE(static_cast<double>(n.next) > lowest(e));
+      if (e + 1 < kGuessEntries8 && n.index + 2 <= codec->top + 1) {
+        REQUIRE(static_cast<double>(thresholds[static_cast<std::size_t>(n.index) + 2]) >= lowest(e + 1));
+      }
+    }
+  }
+}
+
+namespace {
+// The encoder as first written, the oracle of the tables: the floor guess, its magnitude and the
+// two above it, one comparison for the floor, then to nearest "up when y - lo > hi - y" in fp32,
+// or stochastically "up when y - lo > (hi - lo) · u", u = (r + 1/2) · 2^-16.
+int magnitude_index_by_search(const Codec8& c, float y, bool stochastic, std::uint32_t random) {
+  int p = c.floor[guess_entry8(y)].index;
+  const float m0 = c.magnitude[p], m1 = c.magnitude[p + 1], m2 = c.magnitude[p + 2];
+  const bool past = m1 <= y;
+  p += past ? 1 : 0;
+  const float lo = past ? m1 : m0, hi = past ? m2 : m1;
+  const float below = y - lo;
+  const bool up = stochastic ? below > (hi - lo) * ((static_cast<float>(random & 0xFFFFu) + 0.5f) * 0x1p-16f)
+                             : below > hi - y;
+  return p + (up ? 1 : 0);
+}
+
+// Patterns [begin, end) of magnitudes with `stride`: how many encode to other codes than the
+// rules as first written give, to nearest and stochastically with bits that vary with the pattern.
+std::uint64_t table_mismatches(const Codec8& codec, std::uint32_t begin, std::uint32_t end, std::uint32_t stride) {
+  std::uint64_t mismatches = 0;
+  for (std::uint32_t b = begin; b < end; b += stride) {
+    const float y = float_of(b);
+    const std::uint32_t r = fmix32(b);
+    const int zero = codec.is_signed ? kSignedZero8 : 0;
+    mismatches += encode8(codec, y, false, 0u, false) != zero + magnitude_index_by_search(codec, y, false, 0u) ? 1 : 0;
+    mismatches += encode8(codec, y, true, r, false) != zero + magnitude_index_by_search(codec, y, true, r) ? 1 : 0;
+  }
+  return mismatches;
+}
+}  // namespace
+
+TEST_CASE("8-bit encode: the tables give the fp32 rules' codes for every fp32 magnitude up to 2", "[block8][exhaustive]") {
+  // Every fp32 pattern from 0 to 2 (the tables' range and past it on both sides; under the
+  // sanitizers every 61st), each map, to nearest and stochastically, against the rules evaluated
+  // as first written: the codes are bit for bit the same. Over the machine's threads.
+  const std::uint32_t stride = std::getenv("HALFSTEP_TEST_REDUCED") != nullptr ? 61u : 1u;
+  const std::uint32_t end = 0x40000001u;
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  for (const Codec8* codec : {&kSignedCodec8, &kUnsignedCodec8}) {
+    std::vector<std::uint64_t> parts(threads);
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t) {
+      // Each thread's first pattern on the stride's grid from 0.
+      const std::uint64_t from = (std::uint64_t{end} * t / threads + stride - 1) / stride * stride;
+      const std::uint64_t to = std::uint64_t{end} * (t + 1) / threads;
+      pool.emplace_back([&, t, from, to] {
+        parts[t] = table_mismatches(*codec, static_cast<std::uint32_t>(from), static_cast<std::uint32_t>(to), stride);
+      });
+    }
+    for (std::thread& th : pool) th.join();
+    std::uint64_t mismatches = 0;
+    for (std::uint64_t m : parts) mismatches += m;
+    REQUIRE(mismatches == 0);
+    // The extremes of the random bits, and negative values, on a stride of the patterns.
+    for (std::uint32_t b = 0; b < end; b += 4099 * stride) {
+      const float y = float_of(b);
+      for (std::uint32_t r : {0u, 0xFFFFu}) {
+        const int p = magnitude_index_by_search(*codec, y, true, r);
+        REQUIRE(encode8(*codec, y, true, r, false) == (codec->is_signed ? kSignedZero8 + p : p));
+        if (codec->is_signed) REQUIRE(encode8(*codec, -y, true, r, false) == kSignedZero8 - std::min(p, 127));
+      }
     }
   }
 }
@@ -108,7 +205,7 @@ TEST_CASE("8-bit encode to nearest: every code round-trips, every value goes to 
     std::vector<float> edges;
     for (int c = 0; c < 256; ++c) edges.push_back(map.value[c]);
     for (int e = 0; e < kGuessEntries8; ++e) {
-      edges.push_back(static_cast<float>(std::ldexp(1.0 + (e % 128) / 128.0, e / 128 - 22)));
+      edges.push_back(static_cast<float>(std::ldexp(1.0 + (e % 128) / 128.0, e / 128 - 23)));
     }
     for (float edge : edges) {
       float x = edge;
@@ -278,6 +375,43 @@ TEST_CASE("8-bit block: absmax scale, the largest value exact to nearest, zeros,
       REQUIRE_FALSE(encode_block8(kSignedCodec8, x.data(), 256, false, random.data(), 0, false, codes, scale));
       REQUIRE(scale == 7.0f);
       for (std::uint8_t c : codes) REQUIRE(c == 0xAB);
+    }
+  }
+}
+
+TEST_CASE("8-bit block loop helpers: division by an invariant divisor, eight elements' random bits at once", "[block8]") {
+  // Divisor32: floor(n / d) for every n below 2^32, checked on the divisors a tensor's rows take
+  // (1 to a few thousand blocks a row), powers of two and their neighbours, and the largest, at
+  // random and extreme dividends.
+  std::mt19937_64 gen(35);
+  std::vector<std::uint32_t> divisors;
+  for (std::uint32_t d = 1; d <= 4100; ++d) divisors.push_back(d);
+  for (int k = 12; k < 32; ++k) {
+    for (std::int64_t delta : {-1, 0, 1}) divisors.push_back(static_cast<std::uint32_t>((std::int64_t{1} << k) + delta));
+  }
+  for (std::uint32_t d : {0x7FFFFFFFu, 0x80000001u, 0xFFFFFFFEu, 0xFFFFFFFFu, 3000000007u}) divisors.push_back(d);
+  for (int i = 0; i < 200; ++i) divisors.push_back(static_cast<std::uint32_t>(gen() | 1u));
+  for (std::uint32_t d : divisors) {
+    const Divisor32 v = divisor32(d);
+    std::vector<std::uint32_t> ns = {0u, 1u, d - 1u, d, d + 1u, 2u * d - 1u, 0xFFFFFFFFu, 0xFFFFFFFEu, 0x80000000u};
+    for (int i = 0; i < 64; ++i) ns.push_back(static_cast<std::uint32_t>(gen()));
+    for (std::uint32_t q = 1; q < 4; ++q) {
+      const std::uint64_t m = std::uint64_t{d} * q;
+      if (m <= 0xFFFFFFFFu) ns.push_back(static_cast<std::uint32_t>(m - 1));
+    }
+    for (std::uint32_t n : ns) {
+      INFO("n = " << n << ", d = " << d);
+      REQUIRE(v.divide(n) == n / d);
+    }
+  }
+  // element_bits8: element_bits of eight consecutive indices from a multiple of 8, also where the
+  // low half of the index is near 2^32 and the high half is not 0.
+  for (std::int64_t index : {std::int64_t{0}, std::int64_t{8}, std::int64_t{4096}, (std::int64_t{1} << 32) - 8,
+                             std::int64_t{1} << 32, (std::int64_t{5} << 32) + 0xFFFFFFF8, (std::int64_t{1} << 46) - 8}) {
+    for (std::uint64_t key : {std::uint64_t{0}, std::uint64_t{0x0123456789ABCDEFull}, ~std::uint64_t{0}}) {
+      std::uint32_t r[8];
+      element_bits8(key, index, r);
+      for (int j = 0; j < 8; ++j) REQUIRE(r[j] == element_bits(key, index + j));
     }
   }
 }
