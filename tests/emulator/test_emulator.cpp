@@ -203,7 +203,7 @@ TEST_CASE("a lane at a barrier while its warp shuffles faults", "[emulator]") {
   }
 }
 
-TEST_CASE("misaligned 16-byte vector loads and stores fault; aligned ones do not", "[emulator]") {
+TEST_CASE("misaligned 16-byte vector loads and stores fault, aligned ones do not", "[emulator]") {
   Settings s("threads=forward");
   Buffer<unsigned char> bytes(64);
   Buffer<uint4> out(1);

@@ -576,7 +576,7 @@ TEST_CASE("8-bit block step: AdamW on the decoded state, exp_avg to nearest, sqr
   }
 }
 
-TEST_CASE("8-bit moment conversion: encode_moment is the codec's encoding block by block, decode its inverse; refusals", "[block8]") {
+TEST_CASE("8-bit moment conversion: encode_moment is the codec's encoding block by block, decode its inverse, refusals", "[block8]") {
   std::mt19937 gen(77);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   // A tensor of 20 rows of 300: two blocks a row (256 + 44).

@@ -232,12 +232,13 @@ TEST_CASE("version 2 checkpoints still load: the same values, compute_dtype f16,
   CHECK_NOTHROW(load_state(bytes, distinct_config()));
 }
 
-TEST_CASE("flags and formats out of range are refused; mismatches are named with their reason", "[checkpoint]") {
+TEST_CASE("flags and formats out of range are refused, mismatches are named with their reason", "[checkpoint]") {
   const std::string bytes = encode_state(sample_state(), distinct_config());
   const auto with_byte = [&](std::size_t at, unsigned char value) {
     return with_field(bytes, at, static_cast<std::uint8_t>(value));
   };
-  // Offsets in the golden layout above: the configuration starts at 104, the groups at 171 and 201.
+  // Offsets in format 4: the configuration starts at 104, the state formats at 167, the groups at 183 and
+  // 213.
   expect_corrupt(with_byte(104, 3), "halfstep state checkpoint: grad_dtype must be f16, bf16 or f32, got code 3");
   expect_corrupt(with_byte(105, 7), "model_dtype must be f16, bf16 or f32, got code 7");
   expect_corrupt(with_byte(105, 2), "StepConfig.model_dtype must be f16 or bf16");  // a format, not a copy's
@@ -246,9 +247,9 @@ TEST_CASE("flags and formats out of range are refused; mismatches are named with
   expect_corrupt(with_byte(140, 3), "ScalerConfig.headroom_growth must be 0 or 1, got 3");
   expect_corrupt(with_byte(145, 255), "SpikeConfig.enabled must be 0 or 1, got 255");
   expect_corrupt(with_byte(158, 2), "SpikeConfig.action must be 0 or 1, got 2");
-  expect_corrupt(with_byte(191, 2), "AdamWConfig.decoupled_weight_decay must be 0 or 1, got 2");
-  expect_corrupt(with_byte(222, 2), "AdamWConfig.bias_correction must be 0 or 1, got 2");
-  expect_corrupt(with_field(bytes, 193, std::int64_t{-1}), "AdamWConfig.step_offset must be in [0, kCounterLimit");
+  expect_corrupt(with_byte(203, 2), "AdamWConfig.decoupled_weight_decay must be 0 or 1, got 2");
+  expect_corrupt(with_byte(234, 2), "AdamWConfig.bias_correction must be 0 or 1, got 2");
+  expect_corrupt(with_field(bytes, 205, std::int64_t{-1}), "AdamWConfig.step_offset must be in [0, kCounterLimit");
 
   const std::string prefix = "halfstep state checkpoint does not fit this StepConfig: ";
   StepConfig c = distinct_config();

@@ -210,7 +210,7 @@ TEST_CASE("the record of a set of gradients is the same however it is split and 
   }
 }
 
-TEST_CASE("naive sums of the adversarial gradients depend on the order; the exact sum does not", "[exact_sum]") {
+TEST_CASE("naive sums of the adversarial gradients depend on the order, the exact sum does not", "[exact_sum]") {
   // The test data is hard: summing its squares in fp64 forwards and backwards gives different
   // bits, where the record gives one answer.
   halfstep_test::HostModel m = adversarial(75, DType::bf16, {10000});

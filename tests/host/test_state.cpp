@@ -541,7 +541,7 @@ TEST_CASE("without a master each step is the fp32-master step from the same weig
   }
 }
 
-TEST_CASE("without a master, stochastic rounding keeps updates below half a bf16 ulp; to nearest loses them",
+TEST_CASE("without a master, stochastic rounding keeps updates below half a bf16 ulp, to nearest loses them",
           "[state][reference]") {
   // 4096 weights at 1.5 (bf16 ulp 2^-7) under a constant gradient: Adam's update is lr = 2^-11,
   // a sixteenth of an ulp, for 64 steps. An fp32 master moves by 64 · 2^-11 = 2^-5; a master-free
