@@ -10,6 +10,7 @@
 
 #include "exact_sum.hpp"
 #include "halfstep/config.hpp"
+#include "halfstep/portable_math.hpp"
 #include "state_codec.hpp"
 #include "halfstep/distributed.hpp"
 #include "step_types.hpp"
@@ -79,6 +80,18 @@ HALFSTEP_HD inline std::uint64_t hyperparameter_fingerprint(const GroupParams* g
     h = fingerprint_add(h, static_cast<std::uint64_t>(g.step_offset));
   }
   return h;
+}
+
+/// base^n for n >= 0 by repeated squaring in double: the same bits on every machine and on the
+/// device (a library's pow may differ in its last bit between the two), for the bias corrections.
+/// About 2·log2(n) roundings, far below the fp32 rounding of what they feed.
+HALFSTEP_HD inline double power(double base, std::int64_t n) {
+  double result = 1.0, square = base;
+  for (std::int64_t e = n; e > 0; e >>= 1) {
+    if ((e & 1) != 0) result *= square;
+    square *= square;
+  }
+  return result;
 }
 
 /// The step count a group's bias corrections use at applied step `t`: t less the steps taken
@@ -226,8 +239,7 @@ HALFSTEP_HD inline SkipReason range_check(double g_max, const GroupParams* group
     if ((1.0 - static_cast<double>(g.beta2)) * g_max * g_max > fp32_max) {
       return SkipReason::second_moment_exceeds_fp32;
     }
-    const double bc1 = g.bias_correction ? 1.0 - ::pow(static_cast<double>(g.beta1), static_cast<double>(group_step(g, t)))
-                                         : 1.0;
+    const double bc1 = g.bias_correction ? 1.0 - power(static_cast<double>(g.beta1), group_step(g, t)) : 1.0;
     const float step_size = static_cast<float>(static_cast<double>(lr[i]) / bc1);
     if (!(step_size <= 3.40282347e38f)) return SkipReason::step_size_exceeds_fp32;
   }
@@ -259,7 +271,7 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
   report.first_nonfinite_rank = totals.first_nonfinite_rank;
   const double max_scaled = unscaled ? static_cast<double>(totals.max_abs) * scale : totals.max_abs;
   report.max_abs_scaled = static_cast<float>(max_scaled);
-  report.headroom_log2 = max_scaled > 0.0 ? static_cast<float>(::log2(static_cast<double>(p.format_max) / max_scaled))
+  report.headroom_log2 = max_scaled > 0.0 ? static_cast<float>(portable_log2(static_cast<double>(p.format_max) / max_scaled))
                                           : HUGE_VALF;
   report.subnormal_count = totals.subnormal;
   report.zero_count = totals.zero;
@@ -332,9 +344,10 @@ HALFSTEP_HD inline void decide(const Totals& totals, OptimizerState& state, cons
 
 /// The constants of a group for applied step `t` (>= 1), in double, rounded once to fp32.
 HALFSTEP_HD inline GroupConsts group_consts(const GroupParams& g, float lr, std::int64_t t) {
-  const double beta1 = g.beta1, beta2 = g.beta2, td = static_cast<double>(group_step(g, t));
-  const double bc1 = g.bias_correction ? 1.0 - ::pow(beta1, td) : 1.0;
-  const double bc2 = g.bias_correction ? 1.0 - ::pow(beta2, td) : 1.0;
+  const double beta1 = g.beta1, beta2 = g.beta2;
+  const std::int64_t n = group_step(g, t);
+  const double bc1 = g.bias_correction ? 1.0 - power(beta1, n) : 1.0;
+  const double bc2 = g.bias_correction ? 1.0 - power(beta2, n) : 1.0;
   GroupConsts k{};
   k.step_size = static_cast<float>(static_cast<double>(lr) / bc1);
   k.inv_sqrt_bc2 = static_cast<float>(1.0 / ::sqrt(bc2));
@@ -349,18 +362,21 @@ HALFSTEP_HD inline GroupConsts group_consts(const GroupParams& g, float lr, std:
   return k;
 }
 
-/// AdamW on one element in fp32: `g` is the unscaled, clipped gradient.
+/// AdamW on one element in fp32: `g` is the unscaled, clipped gradient. Every multiply-add that
+/// a compiler could contract is written as the fused one (fmaf, one rounding) or kept apart, and
+/// the kernels are compiled with contraction off (nvcc --fmad=false, the host -ffp-contract=off),
+/// so the GPU, the host backend and the emulated device round alike: bit for bit the same results.
 HALFSTEP_HD inline void adamw_update(float& p, float& m, float& v, float g, const GroupConsts& k) {
-  if (k.classic) g = g + k.l2 * p;      // classic L2: the decay joins the gradient
+  if (k.classic) g = fmaf(k.l2, p, g);  // classic L2: the decay joins the gradient
   p = p * k.decay;                      // decoupled decay shrinks the weight (decay is 1 otherwise)
-  m = k.beta1 * m + k.one_minus_beta1 * g;          // first moment
-  v = k.beta2 * v + (k.one_minus_beta2 * g) * g;    // second moment; (1 - beta2)·g first, so
-                                                    // g² past fp32 (|g| > 1.8e19) does not overflow
-                                                    // where (1 - beta2)·g² itself fits
+  m = fmaf(k.beta1, m, k.one_minus_beta1 * g);        // first moment
+  v = fmaf(k.beta2, v, (k.one_minus_beta2 * g) * g);  // second moment; (1 - beta2)·g first, so
+                                                      // g² past fp32 (|g| > 1.8e19) does not
+                                                      // overflow where (1 - beta2)·g² itself fits
   // √v / √bc2 as √v times 1/√bc2 rounded once: the same three roundings as a division by √bc2
   // rounded once, without an IEEE division per element (about nine instructions)
-  const float denom = sqrtf(v) * k.inv_sqrt_bc2 + k.eps;
-  p = p - k.step_size * (m / denom);
+  const float denom = fmaf(sqrtf(v), k.inv_sqrt_bc2, k.eps);
+  p = fmaf(-k.step_size, m / denom, p);
 }
 
 }  // namespace halfstep::detail

@@ -79,8 +79,9 @@ SkipReason update_range(const StepConfig& config, double g_max, std::int64_t t) 
     if ((1.0 - static_cast<double>(h.beta2)) * g_max * g_max > kFp32Max) {
       return SkipReason::second_moment_exceeds_fp32;
     }
-    const double bc1 =
-        h.bias_correction ? 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(steps_of_group(h, t))) : 1.0;
+    // beta1^t as the device's verdict computes it (detail::power: the same bits everywhere), so
+    // that both reach the same verdict bit for bit.
+    const double bc1 = h.bias_correction ? 1.0 - detail::power(static_cast<double>(h.beta1), steps_of_group(h, t)) : 1.0;
     if (!std::isfinite(static_cast<float>(static_cast<double>(h.lr) / bc1))) {
       return SkipReason::step_size_exceeds_fp32;
     }
@@ -565,7 +566,7 @@ StepReport reference_finish(const std::vector<ParamTensor>& tensors, const StepC
   r.max_abs_scaled = static_cast<float>(scaled_max);
   r.headroom_log2 =
       scaled_max > 0.0
-          ? static_cast<float>(std::log2(static_cast<double>(format_info(measured_dtype(config)).max) / scaled_max))
+          ? static_cast<float>(portable_log2(static_cast<double>(format_info(measured_dtype(config)).max) / scaled_max))
           : std::numeric_limits<float>::infinity();
 
   auto finish = [&](Outcome outcome, SkipReason reason) {

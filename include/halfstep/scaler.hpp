@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "halfstep/config.hpp"
+#include "halfstep/portable_math.hpp"
 
 namespace halfstep {
 
@@ -91,7 +92,7 @@ HALFSTEP_HD inline ScalerState next_state(const ScalerState& s, const ScalerConf
   // log2(growth_factor) in float; headroom above it plus the margin means one growth still
   // leaves the margin below the format's maximum.
   const bool room = c.headroom_growth && headroom_log2 < HUGE_VALF &&
-                    headroom_log2 >= ::log2f(c.growth_factor) + c.headroom_margin_log2;
+                    headroom_log2 >= static_cast<float>(portable_log2(c.growth_factor)) + c.headroom_margin_log2;
   if (n.good_steps >= c.growth_interval || room) {  // a full window of clean steps, or room: grow
     const float grown = clamp_scale(s.scale * c.growth_factor, c.min_scale, c.max_scale);
     if (grown != s.scale) n.growths = count_up(s.growths);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "halfstep/config.hpp"
+#include "halfstep/portable_math.hpp"
 #include "halfstep/scaler.hpp"
 
 namespace halfstep {
@@ -53,7 +54,7 @@ HALFSTEP_HD inline SpikeVerdict observe_norm(const SpikeState& s, const SpikeCon
                                              double norm) {
   SpikeVerdict r{s, false};
   if (!c.enabled || !(norm > 0.0) || !(norm < HUGE_VAL)) return r;
-  const double x = ::log(norm);
+  const double x = portable_log(norm);  // the same bits on the CPU and the GPU
   if (s.seen == 0) {  // the first observation defines the level
     r.next.mean = x;
     r.next.var = 0.0;

@@ -6,9 +6,9 @@
 // Each step starts both backends from the same stored state (the reference's), so what is
 // compared is one step's arithmetic and nothing accumulates. Tolerances, derived:
 // - the weight: the reference computes in double and rounds once; the kernel computes in fp32
-//   (about 10 roundings of relative 2^-24 each in the update's chain; contracted into FMAs on
-//   hardware). Both decode the same codes and scales, so the difference is at most ~16 fp32 ulps
-//   of the update's terms: |Δw| <= 2^-19 · (|w| + lr · |update ratio|) plus one ulp of the stored
+//   (about 10 roundings of relative 2^-24 each in the update's chain, a few of them fused). Both
+//   decode the same codes and scales, so the difference is at most ~16 fp32 ulps of the update's
+//   terms: |Δw| <= 2^-19 · (|w| + lr · |update ratio|) plus one ulp of the stored
 //   format (bf16 weights without a master round the two values alike except where they straddle a
 //   rounding point: one bf16 ulp).
 // - a block's scale is the largest magnitude of its new moments: relative 2^-18.

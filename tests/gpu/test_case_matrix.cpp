@@ -2,10 +2,9 @@
 // kernels go wrong, each step checked in lockstep against the reference backend (derived bounds,
 // exact verdicts and counters), with 8-byte canaries around every buffer. On the emulated device
 // every step is also compared bitwise with a host mirror of pass 2 (the same fp32 arithmetic,
-// element by element in a plain loop, compiled like the emulated kernels without contraction), and
-// each case writes a digest of everything its steps wrote (--digest-dir), which every schedule
-// must reproduce bit for bit. On a GPU the mirror is skipped: nvcc may contract a*b+c into one
-// rounding.
+// element by element in a plain loop, compiled like the kernels without contraction), on the
+// emulated device and on a GPU, and each case writes a digest of everything its steps wrote
+// (--digest-dir), which every schedule must reproduce bit for bit.
 #include <catch2/catch.hpp>
 #include <cuda_runtime_api.h>
 
@@ -234,9 +233,9 @@ void write_digest(const std::string& name, const std::vector<std::uint64_t>& lin
   REQUIRE(out.good());
 }
 
-#if defined(HALFSTEP_EMULATED)
 /// Pass 2 on the host: what every thread of the apply kernel computes for its elements, from the
-/// device's own report, in a plain loop. Bitwise equal to the emulated kernels unless their
+/// device's own report, in a plain loop. Bitwise equal to the kernels (emulated or on a GPU: they
+/// and this file compile without contraction, the multiply-adds fmaf in the source) unless their
 /// indexing, vector paths, tails or group lookup are wrong.
 HostModel mirror_pass2(const HostModel& before, const StepReport& r, const StepConfig& c) {
   HostModel out = before;
@@ -275,7 +274,6 @@ HostModel mirror_pass2(const HostModel& before, const StepReport& r, const StepC
   }
   return out;
 }
-#endif
 
 /// One step of the device and of the reference from the same buffers and state, compared.
 StepReport matrix_step(FusedAdamW& opt, GuardedModel& dev, const HostModel& like, const StepConfig& c,
@@ -293,13 +291,11 @@ StepReport matrix_step(FusedAdamW& opt, GuardedModel& dev, const HostModel& like
   REQUIRE(now.step == ref_state.step);
   REQUIRE(now.attempts == ref_state.attempts);
   REQUIRE(dev.canaries_intact());
-#if defined(HALFSTEP_EMULATED)
   const HostModel mirror = mirror_pass2(before, got, c);
   for (std::size_t t = 0; t < after.tensors.size(); ++t) {
     CAPTURE(t);
     REQUIRE(after.tensors[t] == mirror.tensors[t]);
   }
-#endif
   digest.model(after);
   digest.report(got);
   return got;

@@ -114,7 +114,7 @@ TEST_CASE("the statistics follow the EMA mean and variance of log norm", "[spike
   c.ema_beta = 0.5f;
   SpikeState s;
   s = observe_norm(s, c, std::exp(1.0)).next;
-  CHECK(s.mean == 1.0);
+  CHECK(s.mean == Approx(1.0).epsilon(1e-15));
   CHECK(s.var == 0.0);
   s = observe_norm(s, c, std::exp(3.0)).next;
   // deviation 2: mean = 1 + 0.5·2 = 2, var = 0.5·(0 + 0.5·4) = 1
