@@ -11,6 +11,7 @@
 #include "cuda_check.hpp"
 #include "gradient.cuh"
 #include "launch.hpp"
+#include "pass2_element.hpp"
 #include "step_math.hpp"
 
 namespace halfstep::detail {
@@ -88,50 +89,6 @@ __device__ inline float load_grad(const void* grad, std::int64_t i) {
   }
 }
 
-// The formats of one instantiation of pass 2: the master's (with the model copy's) and each
-// moment's codec (state_codec.hpp).
-template <DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
-struct Formats {
-  using Master = MasterCodec<kMaster, kModel>;
-  using M = MomentCodec<kM>;
-  using V = MomentCodec<kV>;
-  // Stochastic rounding draws its bits only where a moment is narrower than fp32 or the weight is
-  // rounded (no master).
-  static constexpr bool kNarrow = kM != MomentFormat::f32 || kV != MomentFormat::f32 || Master::kRounds;
-};
-
-// The random bits of element `index` for stochastic rounding: the moments' (bf16 moments round
-// with its halves) and the weight's (no master: weight_bits of the same draw).
-template <class F, bool kDraw>
-__device__ inline void draw(std::uint64_t key, std::int64_t index, std::uint32_t& moments, std::uint32_t& w) {
-  moments = kDraw ? element_bits(key, index) : 0u;
-  w = kDraw && F::Master::kRounds ? weight_bits(moments) : 0u;
-}
-
-// One element: decoded, updated by AdamW in fp32, encoded back in place (bf16 moments rounded
-// stochastically with `random`'s halves when kDraw, else to nearest; without a master the weight
-// with `random_w`); an element whose encoded values would not all be finite keeps its old ones.
-// Returns whether it was kept.
-template <class F, bool kDraw>
-__device__ inline bool update_element(typename F::Master::Stored& ps, std::uint16_t& model, typename F::M::Stored& ms,
-                                      typename F::V::Stored& vs, float g, bool with_model, std::uint32_t random,
-                                      std::uint32_t random_w, const GroupConsts& k) {
-  float p = F::Master::decode(ps, model), m = F::M::decode(ms), v = F::V::decode(vs);
-  adamw_update(p, m, v, g, k);
-  typename F::Master::Stored ps_new{};
-  typename F::M::Stored ms_new{};
-  typename F::V::Stored vs_new{};
-  std::uint16_t model_new = 0;
-  const bool ok = F::Master::encode(p, with_model, kDraw, random_w, ps_new, model_new) &
-                  F::M::encode(m, kDraw, random, ms_new) & F::V::encode(v, kDraw, random >> 16, vs_new);
-  if (!ok) return true;
-  ps = ps_new;
-  ms = ms_new;
-  vs = vs_new;
-  model = model_new;
-  return false;
-}
-
 // Pass 2 over one chunk of a tensor, with the rounding's random bits drawn (kDraw) or not: kept
 // apart so that each loop holds only its own code. Returns the elements held.
 template <DType kGrad, class F, bool kDraw>
@@ -163,7 +120,7 @@ __device__ inline unsigned apply_chunk(const TensorDesc& tensor, const ChunkDesc
       PS p[kW] = {};
       MS m[kW];
       VS v[kW];
-      std::uint16_t out[kW];  // the model copy: read with remainders and without a master, else written from the master
+      std::uint16_t out[kW] = {};  // the model copy: read with remainders and without a master, else written from the master
       if constexpr (F::Master::kStored) load_vec(master + at, p);
       load_vec(exp_avg + at, m);
       load_vec(exp_avg_sq + at, v);

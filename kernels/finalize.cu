@@ -48,53 +48,17 @@ __device__ void reduce_partials(const FinalizeArgs& a) {
   max_bits = block_reduce<kFinalizeThreads>(max_bits, Max{}, max_scratch);
   first_bad = block_reduce<kFinalizeThreads>(first_bad, Min{}, min_scratch);
   if (threadIdx.x != 0) return;
-
-  // Every chunk's digits start at the same limb: the grid of this launch's split.
-  const int base = split_grid_offset(square_split(a.grad_dtype, *a.window_hint)) / 32;
-  std::uint64_t limbs[kSumLimbs];
-  for (int i = 0; i < kSumLimbs; ++i) limbs[i] = 0;
-  for (int k = 0; k < kPartialDigits && base + k < kSumLimbs; ++k) {
-    limbs[base + k] = digit[k];  // each < 2^31 chunks · 2^32; digits past the limbs are zero
-  }
-  limbs_normalize(limbs);
-  for (int i = 0; i < kSumLimbs; ++i) {  // squares outside the window, consumed here
-    limbs[i] += a.spill[i];
-    a.spill[i] = 0;
-  }
-  limbs_normalize(limbs);
-
-  StepTotals r;
-  for (int i = 0; i < kSumLimbs; ++i) r.sum[i] = limbs[i];
-  r.sum[kSumLimbs] = nonfinite;
-  r.sum[kSumLimbs + 1] = subnormal;
-  r.sum[kSumLimbs + 2] = zero;
-  r.sum[kSumLimbs + 3] = static_cast<std::uint64_t>(a.inputs->numel);
-  r.max[0] = max_bits;
-  // Chunks are ordered by tensor, so the first bad chunk belongs to the first bad tensor.
-  r.max[1] = first_bad == kNone ? 0 : first_bad_key(a.rank, a.chunks[first_bad].tensor);
-  set_fingerprint(r, hyperparameter_fingerprint(a.params, a.lr, a.n_groups, a.decide.max_grad_norm,
-                                                a.inputs->scale, a.state->scaler.scale, a.inputs->grads_key));
-  *a.totals = r;
+  *a.totals = rank_record(a, digit, nonfinite, subnormal, zero, max_bits,
+                          first_bad == kNone ? -1 : a.chunks[first_bad].tensor);
 }
 
 __device__ void decide_step(const FinalizeArgs& a) {
   HALFSTEP_SHARED(std::int64_t, applied_step);
   HALFSTEP_SHARED(int, apply);
   if (threadIdx.x == 0) {
-    const StepTotals r = *a.totals;
-    const Totals t = decode_totals(r, a.grad_dtype);
-    OptimizerState state = *a.state;
-    StepReport report{};
-    Decision decision{};
-    decide(t, state, a.decide, a.params, a.lr, a.n_groups, a.inputs->scale, report, decision);
-    a.inputs->scale = ScaleInputs{};  // it held for this step only
-    *a.state = state;
-    *a.report = report;
-    *a.decision = decision;
-    apply = decision.apply;
-    applied_step = state.step;
-    // The next step's window follows this step's largest gradient, on every rank alike.
-    if (t.fault == TotalsFault::none && r.max[0] != 0) *a.window_hint = static_cast<std::uint32_t>(r.max[0]);
+    std::int64_t step = 0;
+    apply = decide_record(a, step) ? 1 : 0;
+    applied_step = step;
   }
   __syncthreads();
   if (apply) {  // bias corrections use the applied-step counter after this step

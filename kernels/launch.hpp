@@ -9,6 +9,7 @@
 
 #include "halfstep/formats.hpp"
 #include "halfstep/distributed.hpp"
+#include "step_math.hpp"
 #include "step_types.hpp"
 
 namespace halfstep::detail {
@@ -58,6 +59,62 @@ struct FinalizeArgs {
 
 /// Finalize: one block runs the `stages` (FinalizeStage bits) asked for.
 void launch_finalize(const FinalizeArgs& args, int stages, cudaStream_t stream);
+
+/// The reduce stage's record from the sums of this rank's partials (digits of Σg² from the limb
+/// of the launch's grid, counts, the largest finite magnitude, the first tensor with an inf/NaN
+/// or -1) and the squares outside the window in a.spill, which it consumes. The finalize kernel
+/// and the host backend both make the record with it.
+HALFSTEP_HD inline StepTotals rank_record(const FinalizeArgs& a, const unsigned long long (&digit)[kPartialDigits],
+                                          unsigned long long nonfinite, unsigned long long subnormal,
+                                          unsigned long long zero, std::uint32_t max_bits, std::int32_t first_bad_tensor) {
+  // Every chunk's digits start at the same limb: the grid of this launch's split.
+  const int base = split_grid_offset(square_split(a.grad_dtype, *a.window_hint)) / 32;
+  std::uint64_t limbs[kSumLimbs];
+  for (int i = 0; i < kSumLimbs; ++i) limbs[i] = 0;
+  for (int k = 0; k < kPartialDigits && base + k < kSumLimbs; ++k) {
+    limbs[base + k] = digit[k];  // each < 2^31 chunks · 2^32; digits past the limbs are zero
+  }
+  limbs_normalize(limbs);
+  for (int i = 0; i < kSumLimbs; ++i) {  // squares outside the window, consumed here
+    limbs[i] += a.spill[i];
+    a.spill[i] = 0;
+  }
+  limbs_normalize(limbs);
+
+  StepTotals r;
+  for (int i = 0; i < kSumLimbs; ++i) r.sum[i] = limbs[i];
+  r.sum[kSumLimbs] = nonfinite;
+  r.sum[kSumLimbs + 1] = subnormal;
+  r.sum[kSumLimbs + 2] = zero;
+  r.sum[kSumLimbs + 3] = static_cast<std::uint64_t>(a.inputs->numel);
+  r.max[0] = max_bits;
+  // Chunks are ordered by tensor, so the first bad chunk belongs to the first bad tensor.
+  r.max[1] = first_bad_tensor < 0 ? 0 : first_bad_key(a.rank, first_bad_tensor);
+  set_fingerprint(r, hyperparameter_fingerprint(a.params, a.lr, a.n_groups, a.decide.max_grad_norm,
+                                                a.inputs->scale, a.state->scaler.scale, a.inputs->grads_key));
+  return r;
+}
+
+/// The decide stage but for the groups' constants: decodes the (reduced) record, decides, and
+/// writes the state, the report and the decision; clears the step's scale inputs and moves the
+/// window to this step's largest gradient. Returns whether the step applies, and the applied-step
+/// counter the constants use in `applied_step`.
+HALFSTEP_HD inline bool decide_record(const FinalizeArgs& a, std::int64_t& applied_step) {
+  const StepTotals r = *a.totals;
+  const Totals t = decode_totals(r, a.grad_dtype);
+  OptimizerState state = *a.state;
+  StepReport report{};
+  Decision decision{};
+  decide(t, state, a.decide, a.params, a.lr, a.n_groups, a.inputs->scale, report, decision);
+  a.inputs->scale = ScaleInputs{};  // it held for this step only
+  *a.state = state;
+  *a.report = report;
+  *a.decision = decision;
+  applied_step = state.step;
+  // The next step's window follows this step's largest gradient, on every rank alike.
+  if (t.fault == TotalsFault::none && r.max[0] != 0) *a.window_hint = static_cast<std::uint32_t>(r.max[0]);
+  return decision.apply != 0;
+}
 
 /// Arguments of pass 2.
 struct ApplyArgs {

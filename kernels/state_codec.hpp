@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cuda_fp16.h>  // __float2half_rn: binary16 rounding, on the host and the device alike
+#include <math.h>
 #include <string.h>
 
 #include <cstdint>
@@ -100,6 +101,35 @@ HALFSTEP_HD inline std::uint16_t bf16_stochastic(float x, std::uint32_t random) 
   return static_cast<std::uint16_t>((bits_of(x) + (random & 0xFFFFu)) >> 16);
 }
 
+// -- binary16 ---------------------------------------------------------------------------------------
+
+/// The fp32 value of an fp16 pattern, exactly, without a branch (the host's loops of it vectorise;
+/// a host test runs every pattern against __half2float): a normal pattern's fields rebased, a
+/// subnormal one as its integer times 2^-24.
+HALFSTEP_HD inline float f16_value(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  const std::uint32_t normal = sign | ((e == 0x1Fu ? 0xFFu : e + 112u) << 23) | (m << 13);
+  const std::uint32_t subnormal = bits_of(static_cast<float>(static_cast<int>(m)) * 0x1p-24f) | sign;
+  return float_of(e == 0 ? subnormal : normal);
+}
+
+/// An fp32 value to fp16, to nearest, ties to even, without a branch: bit for bit __float2half_rn
+/// for every value but NaN (a host test runs all 2^32 patterns), which gives 0x7FFF. In fp16's
+/// normal range the exponent is rebased and the 13 dropped bits rounded to nearest even; below it,
+/// |x| + 0.5 rounds |x| in fp32 to a multiple of 2^-24 (0.5's ulp), whose count is the pattern; from
+/// 65520 on, infinity.
+HALFSTEP_HD inline std::uint16_t f16_nearest(float x) {
+  const std::uint32_t b = bits_of(x);
+  const std::uint32_t sign = (b >> 16) & 0x8000u;
+  const std::uint32_t a = b & 0x7FFFFFFFu;
+  const std::uint32_t r = a - 0x38000000u;  // wraps below fp16's normal range: not selected there
+  const std::uint32_t normal = (r + 0xFFFu + ((r >> 13) & 1u)) >> 13;
+  const std::uint32_t sub = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
+  const std::uint32_t mag = a >= 0x477FF000u ? 0x7C00u : a >= 0x38800000u ? normal : sub;
+  return static_cast<std::uint16_t>(a > 0x7F800000u ? 0x7FFFu : (sign | mag));
+}
+
 // -- moments ----------------------------------------------------------------------------------------
 
 template <MomentFormat kFormat>
@@ -121,13 +151,16 @@ struct MomentCodec<MomentFormat::bf16> {
   using Stored = std::uint16_t;
   HALFSTEP_HD static float decode(std::uint16_t s) { return bf16_value(s); }
   HALFSTEP_HD static bool encode(float x, bool stochastic, std::uint32_t random, std::uint16_t& out) {
-    if (!finite32(x)) return false;
     out = stochastic ? bf16_stochastic(x, random) : bf16_nearest(x);
-    return bf16_finite(out);  // a value near fp32's largest rounds past bf16's
+    return finite32(x) & finite32(bf16_value(out));  // a value near fp32's largest rounds past bf16's
   }
 };
 
 // -- masters ----------------------------------------------------------------------------------------
+//
+// Every encode computes what it would store whatever the input, then says whether it is finite
+// (what it computes from an inf or NaN is never stored): no branch, so that the host's loops of it
+// vectorise, and the GPU's take selects.
 
 /// The master a step with a bf16 model copy stores for the fp32 result `p`: `p`, except the upper
 /// tie above an even bf16 pattern (low half 0x8000, the pattern's lowest bit clear), which 16 bits
@@ -147,7 +180,24 @@ HALFSTEP_HD inline std::uint16_t model_of<DType::bf16>(float p) {
 }
 template <>
 HALFSTEP_HD inline std::uint16_t model_of<DType::f16>(float p) {
+#if defined(__CUDA_ARCH__)
   return __half_as_ushort(__float2half_rn(p));
+#else
+  return f16_nearest(p);  // the same bits, and a loop of it vectorises
+#endif
+}
+
+/// Whether the model copy `model` of the master `p` (model_of) is finite. Checked on the fp32
+/// side, as fp32 comparisons (a host loop of them vectorises): a bf16 pattern is finite exactly
+/// when the fp32 value it is the upper half of is; fp16's rounding to nearest even overflows from
+/// 65520 on (the midpoint between its largest finite value, 65504, and 65536), and NaN is not below it.
+template <DType kModel>
+HALFSTEP_HD inline bool model_finite(float p, std::uint16_t model) {
+  if constexpr (kModel == DType::bf16) {
+    return finite32(bf16_value(model));
+  } else {
+    return fabsf(p) < 65520.0f;
+  }
 }
 
 template <MasterFormat kFormat, DType kModel>
@@ -164,12 +214,10 @@ struct MasterCodec<MasterFormat::f32, kModel> {
   /// The stored master and model copy of the new master `p`, and whether both are finite.
   HALFSTEP_HD static bool encode(float p, bool with_model, bool /*stochastic*/, std::uint32_t /*random*/, float& stored,
                                  std::uint16_t& model) {
-    if (!finite32(p)) return false;
     if (kModel == DType::bf16 && with_model) p = canonical_master(p);
     stored = p;
-    if (!with_model) return true;
-    model = model_of<kModel>(p);
-    return (model & format_bits(kModel).exponent) != format_bits(kModel).exponent;
+    model = model_of<kModel>(p);  // computed either way: no branch, so that loops of it vectorise
+    return finite32(p) & (!with_model | model_finite<kModel>(p, model));
   }
 };
 
@@ -186,15 +234,14 @@ struct MasterCodec<MasterFormat::bf16_remainder, DType::bf16> {
   HALFSTEP_HD static float decode(std::uint16_t remainder, std::uint16_t model) {
     const float joined = float_of((static_cast<std::uint32_t>(model) << 16) +
                                   static_cast<std::uint32_t>(static_cast<std::int32_t>(static_cast<std::int16_t>(remainder))));
-    return finite32(joined) || !bf16_finite(model) ? joined : bf16_value(model);
+    return finite32(joined) | !finite32(bf16_value(model)) ? joined : bf16_value(model);
   }
   HALFSTEP_HD static bool encode(float p, bool /*with_model: always*/, bool /*stochastic*/, std::uint32_t /*random*/,
                                  std::uint16_t& stored, std::uint16_t& model) {
-    if (!finite32(p)) return false;
     const std::uint32_t b = bits_of(canonical_master(p));
     model = bf16_nearest(float_of(b));
     stored = static_cast<std::uint16_t>(b - (static_cast<std::uint32_t>(model) << 16));
-    return bf16_finite(model);
+    return finite32(p) & finite32(bf16_value(model));
   }
 };
 
@@ -209,9 +256,8 @@ struct MasterCodec<MasterFormat::none, DType::bf16> {
   HALFSTEP_HD static float decode(std::uint16_t /*stored*/, std::uint16_t model) { return bf16_value(model); }
   HALFSTEP_HD static bool encode(float p, bool /*with_model: always*/, bool stochastic, std::uint32_t random,
                                  std::uint16_t& /*stored*/, std::uint16_t& model) {
-    if (!finite32(p)) return false;
     model = stochastic ? bf16_stochastic(p, random) : bf16_nearest(p);
-    return bf16_finite(model);
+    return finite32(p) & finite32(bf16_value(model));
   }
 };
 
