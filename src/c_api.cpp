@@ -254,8 +254,9 @@ halfstep_status halfstep_create_distributed(const halfstep_tensor* tensors, int6
     require(config != nullptr, "config must not be NULL");
     require(n_tensors >= 0 && n_tensors <= INT32_MAX, "n_tensors must be in [0, 2^31 - 1]");
     require(n_tensors == 0 || tensors != nullptr, "tensors must not be NULL when n_tensors > 0");
-    require(config->backend == HALFSTEP_BACKEND_CUDA || config->backend == HALFSTEP_BACKEND_REFERENCE,
-            "halfstep_config.backend must be HALFSTEP_BACKEND_CUDA or HALFSTEP_BACKEND_REFERENCE");
+    require(config->backend == HALFSTEP_BACKEND_CUDA || config->backend == HALFSTEP_BACKEND_REFERENCE ||
+                config->backend == HALFSTEP_BACKEND_HOST,
+            "halfstep_config.backend must be HALFSTEP_BACKEND_CUDA, HALFSTEP_BACKEND_REFERENCE or HALFSTEP_BACKEND_HOST");
     std::vector<halfstep::ParamTensor> list(static_cast<std::size_t>(n_tensors));
     for (int64_t t = 0; t < n_tensors; ++t) {
       list[static_cast<std::size_t>(t)] = param_tensor(tensors[t]);
@@ -265,8 +266,9 @@ halfstep_status halfstep_create_distributed(const halfstep_tensor* tensors, int6
     halfstep::Distributed dist;
     dist.rank = rank;
     for (int32_t c = 0; c < n_comms; ++c) dist.comms.push_back(static_cast<ncclComm*>(comms[c]));
-    const halfstep::Backend backend =
-        config->backend == HALFSTEP_BACKEND_CUDA ? halfstep::Backend::cuda : halfstep::Backend::reference;
+    const halfstep::Backend backend = config->backend == HALFSTEP_BACKEND_CUDA        ? halfstep::Backend::cuda
+                                      : config->backend == HALFSTEP_BACKEND_REFERENCE ? halfstep::Backend::reference
+                                                                                      : halfstep::Backend::host;
     *out = new halfstep_optimizer{halfstep::FusedAdamW(list, step_config(groups, n_groups, *config), dist, backend)};
   });
 }
@@ -350,6 +352,21 @@ halfstep_status halfstep_nonfinite_counts(halfstep_optimizer* opt, int64_t* out,
     const std::vector<std::int64_t> counts = opt->opt.nonfinite_counts();
     require(n_tensors == static_cast<int64_t>(counts.size()), "n_tensors must equal the optimizer's tensor count");
     std::memcpy(out, counts.data(), counts.size() * sizeof(int64_t));
+  });
+}
+
+halfstep_status halfstep_set_threads(halfstep_optimizer* opt, int32_t threads) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    opt->opt.set_threads(threads);
+  });
+}
+
+halfstep_status halfstep_threads(halfstep_optimizer* opt, int32_t* out) {
+  return guarded([&] {
+    require(opt != nullptr, "opt must not be NULL");
+    require(out != nullptr, "out must not be NULL");
+    *out = opt->opt.threads();
   });
 }
 

@@ -27,11 +27,12 @@ FusedAdamW::FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig
 
 FusedAdamW::FusedAdamW(const std::vector<ParamTensor>& tensors, const StepConfig& config,
                        const Distributed& distributed, Backend backend) {
-  detail::require(backend == Backend::cuda || backend == Backend::reference,
-                  "backend must be Backend::cuda or Backend::reference, got ",
+  detail::require(backend == Backend::cuda || backend == Backend::reference || backend == Backend::host,
+                  "backend must be Backend::cuda, Backend::reference or Backend::host, got ",
                   static_cast<int>(backend));
-  impl_ = backend == Backend::cuda ? detail::make_cuda_impl(tensors, config, distributed)
-                                   : detail::make_reference_impl(tensors, config, distributed);
+  impl_ = backend == Backend::cuda        ? detail::make_cuda_impl(tensors, config, distributed)
+          : backend == Backend::reference ? detail::make_reference_impl(tensors, config, distributed)
+                                          : detail::make_host_impl(tensors, config, distributed);
   impl_->written = detail::written_spans(tensors, config);
   backend_ = backend;
   distributed_ = distributed;
@@ -145,6 +146,13 @@ Backend FusedAdamW::backend() const {
   impl();
   return backend_;
 }
+void FusedAdamW::set_threads(int threads) {
+  Impl& i = impl();
+  if (backend_ != Backend::host) i.set_threads(threads);  // throws: not a host backend
+  detail::require(threads >= 1 && threads <= 1024, "set_threads: threads must be in [1, 1024], got ", threads);
+  i.set_threads(threads);
+}
+int FusedAdamW::threads() const { return impl().threads(); }
 std::int64_t FusedAdamW::chunk_count() const { return impl().chunk_count(); }
 int FusedAdamW::launches_per_step() const { return impl().launches_per_step(); }
 

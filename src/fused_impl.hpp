@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "halfstep/error.hpp"
 #include "halfstep/fused_adamw.hpp"
 
 namespace halfstep {
@@ -74,6 +75,12 @@ struct FusedAdamW::Impl {
   /// The loss scale from the next step on (checked by FusedAdamW::set_loss_scale).
   virtual void set_loss_scale(float scale, Stream stream) = 0;
 
+  /// Threads the step runs on (Backend::host; the others run on their device or on one thread).
+  virtual int threads() const { return 1; }
+  virtual void set_threads(int /*threads*/) {
+    throw Error(ErrorKind::usage, "set_threads: only Backend::host runs its step on host threads");
+  }
+
   /// What the step writes, for set_gradients' check (filled by FusedAdamW's constructor).
   detail::WrittenSpans written;
 };
@@ -91,6 +98,8 @@ struct FusedAccess {
 std::unique_ptr<FusedAdamW::Impl> make_reference_impl(const std::vector<ParamTensor>& tensors,
                                                       const StepConfig& config, const Distributed& dist);
 std::unique_ptr<FusedAdamW::Impl> make_cuda_impl(const std::vector<ParamTensor>& tensors,
+                                                 const StepConfig& config, const Distributed& dist);
+std::unique_ptr<FusedAdamW::Impl> make_host_impl(const std::vector<ParamTensor>& tensors,
                                                  const StepConfig& config, const Distributed& dist);
 
 /// Throws unless `group` names a group of `config`, `lr` is finite and >= 0, and lr·weight_decay

@@ -1,6 +1,6 @@
 // The CPU engine: the same mixed-precision network as the CUDA engine, with matrix products on
 // operands rounded to the 16-bit format (fp16, or bf16 with --precision bf16; fp32 accumulation)
-// in a fixed order of its own, and halfstep's reference backend doing the optimizer step.
+// in a fixed order of its own, and halfstep's host backend doing the optimizer step.
 //
 // The products are not left to a BLAS: OpenBLAS picks its kernels by CPU type, and their
 // summation orders differ (blocking, vector width, FMA or not), so the same run ended at another
@@ -124,8 +124,8 @@ class CpuEngine final : public Engine {
     weights_t_.resize(static_cast<std::size_t>(dims.layers()));
   }
 
-  std::string name() const override { return "cpu (fixed-order products, halfstep reference backend)"; }
-  halfstep::Backend backend() const override { return halfstep::Backend::reference; }
+  std::string name() const override { return "cpu (fixed-order products, halfstep host backend)"; }
+  halfstep::Backend backend() const override { return halfstep::Backend::host; }
 
   std::vector<halfstep::ParamTensor> tensors() override {
     std::vector<halfstep::ParamTensor> out;

@@ -78,7 +78,7 @@ class HostRanks final : public Trainer {
       std::copy(engines_[0]->flat_model() + begin, engines_[0]->flat_model() + end, s.model.begin());
       s.pieces = halfstep::shard(layout_, s.begin, s.end, s.flat(), config_);
       s.opt = std::make_unique<halfstep::FusedAdamW>(s.pieces.tensors, config_, halfstep::Distributed{r, {}},
-                                                     halfstep::Backend::reference);
+                                                     halfstep::Backend::host);
     }
   }
 
@@ -242,7 +242,7 @@ void save_gathered(const std::vector<halfstep::ParamTensor>& layout, const halfs
       }
     }
   }
-  halfstep::FusedAdamW gathered(tensors, config, halfstep::Backend::reference);
+  halfstep::FusedAdamW gathered(tensors, config, halfstep::Backend::host);
   gathered.load_state(state.save_state());
   halfstep::save_checkpoint(gathered, names, path, options);
 }

@@ -1,6 +1,6 @@
 // halfstep-train: trains an MLP on a synthetic regression task in mixed precision and shows the
 // loss-scale dynamics while it does. Runs on the GPU when one is present (cuBLAS + the fused CUDA
-// step), otherwise on the CPU (its own fixed-order products + the reference backend).
+// step), otherwise on the CPU (its own fixed-order products + the host backend).
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -36,7 +36,7 @@ using halfstep::StepReport;
 const char* kDescription = R"(halfstep-train: trains an MLP (fp16 weights and activations, fp32 masters; or bf16, with
 or without masters) to fit a random teacher network, with halfstep's dynamic loss scaler and fused
 AdamW step, and prints what the scaler does. Uses the GPU if one is present (cuBLAS + the fused CUDA step), otherwise the CPU
-(products of its own, summed in the same order on any CPU, + halfstep's reference backend).)";
+(products of its own, summed in the same order on any CPU, + halfstep's host backend).)";
 
 const char* kScenarios = R"(
 Scenarios (docs/loss-scaling.md explains why each behaves as it does):
@@ -638,7 +638,7 @@ constexpr float kFineTune = 0.05f;
 int run(const Options& o) {
   const bool gpu = !o.cpu && train::cuda_available();
   if (!gpu) {  // first: a refusal below then reads after the engine it refers to
-    std::printf("%s: running on the CPU (fixed-order products, halfstep reference backend)\n",
+    std::printf("%s: running on the CPU (fixed-order products, halfstep host backend)\n",
                 o.cpu ? "--cpu" : "no CUDA device found");
   }
   train::Dims dims;

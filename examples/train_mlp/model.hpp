@@ -94,7 +94,7 @@ inline constexpr int kMaxRanks = 1024;
 class Engine {
  public:
   virtual ~Engine() = default;
-  /// "cuda" or "cpu (reference backend)".
+  /// "cuda" or "cpu (host backend)".
   virtual std::string name() const = 0;
   /// Where FusedAdamW runs for this engine.
   virtual halfstep::Backend backend() const = 0;
@@ -119,7 +119,7 @@ class Engine {
 };
 
 /// The CPU engine: products on operands rounded to config.model_dtype (fp16 or bf16) with fp32
-/// accumulation, summed in a fixed order whatever the CPU, and halfstep's reference backend.
+/// accumulation, summed in a fixed order whatever the CPU, and halfstep's host backend.
 /// The engines write their gradients in the model copy's format: config.grad_dtype must equal
 /// config.model_dtype (both throw std::invalid_argument otherwise).
 std::unique_ptr<Engine> make_cpu_engine(const Dims& dims, const Dataset& data,

@@ -45,7 +45,7 @@ std::unique_ptr<Trainer> make_single_trainer(Engine& engine, const halfstep::Ste
 
 /// Ranks as one process on the host: CPU engines (each with its slice of the batch, or the whole
 /// batch when replicated), the gradients reduce-scattered in fp32 and averaged, each rank's
-/// optimizer on the reference backend over its shard, records all-reduced in rank order.
+/// optimizer on the host backend over its shard, records all-reduced in rank order.
 std::unique_ptr<Trainer> make_host_ranks(std::vector<std::unique_ptr<Engine>> engines,
                                          const halfstep::StepConfig& config);
 

@@ -27,7 +27,9 @@ using Stream = CUstream_st*;
 /// Where a FusedAdamW runs.
 enum class Backend {
   cuda,       ///< the fused kernels; ParamTensor pointers are device memory of the current device
-  reference,  ///< reference::step on host memory, for machines without a GPU
+  reference,  ///< reference::step on host memory: the independent oracle, in double, one thread
+  host,       ///< the kernels' own arithmetic on host memory, vectorised and on set_threads()
+              ///< threads: bit for bit the CUDA backend's results (CPU training, offloaded state)
 };
 
 /// Bytes of device workspace a FusedAdamW with Backend::cuda allocates for tensors of these
@@ -211,6 +213,15 @@ class HALFSTEP_API FusedAdamW {
 
   /// The backend it runs on.
   Backend backend() const;
+
+  /// Backend::host: the step runs on `threads` host threads (>= 1; 1 at construction), each over
+  /// its own contiguous range of the tensor table's chunks. The results are the same bits on any
+  /// number of threads. Throws (usage) for the other backends, (invalid_argument) for a count
+  /// outside [1, 1024].
+  void set_threads(int threads);
+
+  /// The threads the step runs on (1 for Backend::reference; Backend::cuda runs on its device).
+  int threads() const;
 
   /// Number of chunks in the tensor table (one thread block each per pass); 0 for
   /// Backend::reference, which has no device passes.

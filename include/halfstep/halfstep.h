@@ -31,7 +31,7 @@ typedef enum halfstep_status {
 /** Element formats (halfstep::DType). */
 enum { HALFSTEP_F16 = 0, HALFSTEP_BF16 = 1, HALFSTEP_F32 = 2 };
 /** Backends (halfstep::Backend). */
-enum { HALFSTEP_BACKEND_CUDA = 0, HALFSTEP_BACKEND_REFERENCE = 1 };
+enum { HALFSTEP_BACKEND_CUDA = 0, HALFSTEP_BACKEND_REFERENCE = 1, HALFSTEP_BACKEND_HOST = 2 };
 /** Step outcomes (halfstep::Outcome). */
 enum {
   HALFSTEP_APPLIED = 0,
@@ -222,6 +222,11 @@ HALFSTEP_C_API uint64_t* halfstep_device_totals(halfstep_optimizer* opt);
 HALFSTEP_C_API halfstep_status halfstep_last_report(halfstep_optimizer* opt, halfstep_report* out);
 /** Per-tensor inf/NaN counts of the last step into out[0 .. n_tensors). */
 HALFSTEP_C_API halfstep_status halfstep_nonfinite_counts(halfstep_optimizer* opt, int64_t* out, int64_t n_tensors);
+/** HALFSTEP_BACKEND_HOST: the step runs on `threads` host threads, 1 to 1024 (1 at creation;
+ *  halfstep::FusedAdamW::set_threads), with the same results on any number. */
+HALFSTEP_C_API halfstep_status halfstep_set_threads(halfstep_optimizer* opt, int32_t threads);
+/** The threads the step runs on into *out (1 but for HALFSTEP_BACKEND_HOST). */
+HALFSTEP_C_API halfstep_status halfstep_threads(halfstep_optimizer* opt, int32_t* out);
 /** Sets a group's learning rate, ordered on `stream`. */
 HALFSTEP_C_API halfstep_status halfstep_set_lr(halfstep_optimizer* opt, int32_t group, float lr, void* stream);
 /** Sets every hyperparameter of a group (lr, betas, eps, weight decay) for the following steps,

@@ -10,7 +10,7 @@ import ctypes as _C
 import math as _math
 
 from . import _lib
-from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID_ARGUMENT, ERROR_USAGE, F16, F32,
+from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_HOST, BACKEND_REFERENCE, BF16, ERROR_INVALID_ARGUMENT, ERROR_USAGE, F16, F32,
                    MASTER_BF16_REMAINDER, MASTER_F32, MASTER_NONE, MOMENT_BF16, MOMENT_BLOCK8, MOMENT_F32,
                    ROUND_NEAREST,
                    ROUND_STOCHASTIC, SKIPPED_INCONSISTENT, SKIPPED_NONFINITE_UPDATE, SKIPPED_OVERFLOW, SKIPPED_SPIKE,
@@ -20,7 +20,7 @@ from ._lib import (APPLIED, BACKEND_CUDA, BACKEND_REFERENCE, BF16, ERROR_INVALID
 
 __all__ = ["Optimizer", "HalfstepError", "version", "has_nccl", "config", "group", "report_dict", "state_bytes",
            "moment_blocks", "encode_moment", "decode_moment",
-           "SCALER_OPTIONS", "SPIKE_OPTIONS", "F16", "BF16", "F32", "BACKEND_CUDA", "BACKEND_REFERENCE",
+           "SCALER_OPTIONS", "SPIKE_OPTIONS", "F16", "BF16", "F32", "BACKEND_CUDA", "BACKEND_REFERENCE", "BACKEND_HOST",
            "TOTALS_SUM_WORDS", "TOTALS_MAX_WORDS"]
 
 
@@ -47,8 +47,8 @@ SPIKE_OPTIONS = ("enabled", "z_threshold", "ema_beta", "warmup_steps", "action",
 
 _DTYPE_NAMES = {"float16": F16, "fp16": F16, "bfloat16": BF16, "bf16": BF16, "float32": F32, "fp32": F32, F16: F16,
                 BF16: BF16, F32: F32}
-_BACKEND_NAMES = {"cuda": BACKEND_CUDA, "reference": BACKEND_REFERENCE, BACKEND_CUDA: BACKEND_CUDA,
-                  BACKEND_REFERENCE: BACKEND_REFERENCE}
+_BACKEND_NAMES = {"cuda": BACKEND_CUDA, "reference": BACKEND_REFERENCE, "host": BACKEND_HOST, BACKEND_CUDA: BACKEND_CUDA,
+                  BACKEND_REFERENCE: BACKEND_REFERENCE, BACKEND_HOST: BACKEND_HOST}
 # The state formats (halfstep::StateFormat) by their library names.
 MASTER_FORMATS = {"f32": MASTER_F32, "bf16_remainder": MASTER_BF16_REMAINDER, "none": MASTER_NONE}
 MOMENT_FORMATS = {"f32": MOMENT_F32, "bf16": MOMENT_BF16, "block8": MOMENT_BLOCK8}
@@ -68,8 +68,10 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
     "float32" (or F16, BF16, F32), and for 16-bit gradients the model copy's too (float32
     gradients come with float32 parameters, which are the masters: no model copy); `compute_dtype`
     is the format float32 gradients were computed in, which the headroom and subnormal count are
-    measured against; `backend` is "cuda" (device pointers) or "reference" (host memory, the CPU
-    reference step) (or BACKEND_CUDA, BACKEND_REFERENCE). The state formats: `master` "f32",
+    measured against; `backend` is "cuda" (device pointers), "host" (host memory: the kernels' own
+    arithmetic, vectorised, on Optimizer.set_threads threads, bit for bit the CUDA backend's) or
+    "reference" (host memory, the CPU reference step in double) (or BACKEND_CUDA, BACKEND_HOST,
+    BACKEND_REFERENCE). The state formats: `master` "f32",
     "bf16_remainder" (bfloat16 models: the model copy and an int16 remainder are the master) or
     "none" (bfloat16 models: the model copy is the weight, updated with `rounding`), `exp_avg` and
     `exp_avg_sq` "f32", "bf16" or (both) "block8" (8-bit codes and a scale per block of 256
@@ -81,7 +83,7 @@ def config(dtype="float16", backend="cuda", max_grad_norm=0.0, scaler=None, spik
     if compute_dtype not in _DTYPE_NAMES:
         raise ValueError("compute_dtype must be 'float16', 'bfloat16' or 'float32', got %r" % (compute_dtype,))
     if backend not in _BACKEND_NAMES:
-        raise ValueError("backend must be 'cuda' or 'reference', got %r" % (backend,))
+        raise ValueError("backend must be 'cuda', 'host' or 'reference', got %r" % (backend,))
     c = Config()
     lib.halfstep_config_init(_C.byref(c))
     c.grad_dtype = _DTYPE_NAMES[dtype]
@@ -307,6 +309,17 @@ class Optimizer:
         out = (_C.c_int64 * max(self.n_tensors, 1))()
         check(lib.halfstep_nonfinite_counts(self.handle, out, self.n_tensors))
         return list(out)[:self.n_tensors]
+
+    def set_threads(self, threads):
+        """The host backend: the step runs on `threads` host threads (1 to 1024), with the same
+        results on any number."""
+        check(lib.halfstep_set_threads(self.handle, int(threads)))
+
+    def threads(self):
+        """The threads the step runs on (1 but for the host backend)."""
+        out = _C.c_int32()
+        check(lib.halfstep_threads(self.handle, _C.byref(out)))
+        return out.value
 
     def set_lr(self, group, lr, stream=0):
         check(lib.halfstep_set_lr(self.handle, int(group), float(lr), stream or None))

@@ -13,7 +13,7 @@ ERROR_USAGE = 4
 ERROR_INTERNAL = 5
 
 F16, BF16, F32 = 0, 1, 2
-BACKEND_CUDA, BACKEND_REFERENCE = 0, 1
+BACKEND_CUDA, BACKEND_REFERENCE, BACKEND_HOST = 0, 1, 2
 APPLIED, SKIPPED_OVERFLOW, SKIPPED_SPIKE, SKIPPED_NONFINITE_UPDATE, SKIPPED_INCONSISTENT = 0, 1, 2, 3, 4
 MASTER_F32, MASTER_BF16_REMAINDER, MASTER_NONE = 0, 1, 2
 MOMENT_F32, MOMENT_BF16, MOMENT_BLOCK8 = 0, 1, 2
@@ -135,6 +135,8 @@ def _load(path):
         "halfstep_last_report": (C.c_int, [P, C.POINTER(Report)]),
         "halfstep_nonfinite_counts": (C.c_int, [P, C.POINTER(C.c_int64), C.c_int64]),
         "halfstep_set_lr": (C.c_int, [P, C.c_int32, C.c_float, P]),
+        "halfstep_set_threads": (C.c_int, [P, C.c_int32]),
+        "halfstep_threads": (C.c_int, [P, C.POINTER(C.c_int32)]),
         "halfstep_set_group": (C.c_int, [P, C.c_int32, C.POINTER(Group), P]),
         "halfstep_set_gradients": (C.c_int, [P, C.POINTER(C.c_void_p), C.c_int64, P, C.c_uint64]),
         "halfstep_mark_unscaled": (C.c_int, [P, P]),

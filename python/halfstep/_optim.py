@@ -300,6 +300,9 @@ class FusedAdamW(torch.optim.Optimizer):
         below half a bf16 ulp; its bits a hash of seed, step, parameter and element, the same on
         any number of ranks and after a resume) or 'nearest'.
     seed: the key of stochastic rounding's bits (an integer in [0, 2^64); the state_dict carries it).
+    threads: CPU parameters: the host threads the step runs on (1 to 1024; None, the default:
+        torch.get_num_threads()). The host backend runs the CUDA kernels' own arithmetic,
+        vectorised, so the results are the same bits on any number of threads and on a GPU.
     process_group: a torch.distributed group whose ranks take one step together: they all-reduce
         the step's totals record, so every rank takes the same decision with the same global norm
         (bitwise the one process would compute) and holds the same report. The gradients must
@@ -328,8 +331,11 @@ class FusedAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, max_grad_norm=0.0,
                  scaler=None, spike=None, compute_dtype=torch.float16, process_group=None, shard=None,
                  store_param_remainders=None, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
-                 rounding="stochastic", seed=0, master_weight_dtype=torch.float32):
+                 rounding="stochastic", seed=0, master_weight_dtype=torch.float32, threads=None):
         self._built = False
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024):
+            raise ValueError("FusedAdamW: threads must be an integer in [1, 1024] or None, got %r" % (threads,))
+        self._threads = threads
         params = _listed(params, process_group is not None)
         self._pg, self._shard_wanted = process_group, shard
         # DTensor parameters (FSDP2, tensor parallelism): the record is all-reduced over their mesh.
@@ -368,6 +374,25 @@ class FusedAdamW(torch.optim.Optimizer):
                            "hyperparameters, options or shard differ); every rank must build the same FusedAdamW")
 
     # -- construction ------------------------------------------------------------------------------
+
+    @property
+    def threads(self):
+        """CPU parameters: the host threads the step runs on — the `threads` given, or
+        torch.get_num_threads() (read at each build; 1 where torch's own is 1). The results are the
+        same bits on any number. 1 for CUDA parameters."""
+        if self._device.type == "cuda":
+            return 1
+        return self._threads if self._threads is not None else max(1, min(1024, torch.get_num_threads()))
+
+    @threads.setter
+    def threads(self, value):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+            raise ValueError("FusedAdamW.threads must be an integer in [1, 1024], got %r" % (value,))
+        if self._device.type == "cuda":
+            raise ValueError("FusedAdamW.threads: CUDA parameters are stepped on their device")
+        with self._lock:
+            self._threads = value
+            self._opt.set_threads(value)
 
     @property
     def state(self):
@@ -486,7 +511,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _library_config(self, scaler_options=None):
         cuda = self._device.type == "cuda"
-        return config(dtype=_NAMES[self._dtype], backend="cuda" if cuda else "reference",
+        return config(dtype=_NAMES[self._dtype], backend="cuda" if cuda else "host",
                       max_grad_norm=self._options["max_grad_norm"],
                       scaler=self._scaler_options if scaler_options is None else scaler_options,
                       spike=self._options["spike"], compute_dtype=_NAMES[self._options["compute_dtype"]],
@@ -529,6 +554,8 @@ class FusedAdamW(torch.optim.Optimizer):
             if cuda:
                 torch.cuda.current_stream(self._device).synchronize()  # the layout's copies have landed
             opt = Optimizer(self._layout.entries(), groups, cfg, rank=self._rank)
+            if not cuda:
+                opt.set_threads(self.threads)
             if library_state is not None:
                 opt.set_state(library_state)
         self._install(opt, cfg)

@@ -16,7 +16,8 @@ fp16 or bf16 parameters (it keeps their fp32 masters itself and writes the round
 them). It reads the gradients wherever PyTorch put them (`.grad`, a new tensor every step or a
 bucket view), needs no host synchronisation per step on CUDA tensors (the step runs halfstep's
 fused kernels on the current stream and can be captured in a CUDA graph), and runs halfstep's
-reference backend on CPU tensors. torch.amp.GradScaler drives it too.
+host backend on CPU tensors (the kernels' own arithmetic, vectorised, on `threads` threads: the
+same bits as on a GPU). torch.amp.GradScaler drives it too.
 
 The package's parts: _optim (FusedAdamW), _layouts (where each storage strategy keeps the state),
 _scaling (the GradScaler protocol), _checkpoint (state_dict), _hyper (hyperparameter rules),

@@ -10,6 +10,7 @@ the float64 norm of the full reduced gradient; then the model and optimizer stat
 torch.distributed.checkpoint into CHECKPOINT_DIR and, given OTHER_CHECKPOINT_DIR (written on another
 number of ranks), loaded from there into a new model and optimizer. The same steps on a 2-D mesh
 (Replicate() over the mesh's first dimension: HSDP) when WORLD is 2.
+MODE offload: the same model with FSDP2's CPUOffloadPolicy, stepped on 1 and 2 host threads.
 MODE ddp: DistributedDataParallel models (gradient_as_bucket_view off and on) under bf16 autocast,
 each with FusedAdamW over the group (ZeRO-1 and replicated), EXACT_STEPS steps on the same batch.
 """
@@ -49,13 +50,17 @@ def loss_of(model, x, y):
     return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
-def shard(model, mesh, compute=torch.bfloat16):
+def shard(model, mesh, compute=torch.bfloat16, offload=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    kw = {}
+    if offload:  # sharded parameters, gradients and the optimizer's state in host memory
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy, **kw)
+    fully_shard(model, mesh=mesh, mp_policy=policy, **kw)
     return model
 
 
@@ -163,6 +168,22 @@ def fsdp(rank, world, out, checkpoint, other):
         out["hsdp_params"] = [full(p) for p in model2.parameters()]
 
 
+def offload(rank, world, out):
+    """FSDP2 with CPUOffloadPolicy: the step runs on the CPU over the sharded parameters and
+    gradients in host memory (halfstep's host backend), on `world` ranks and threads 1 and 2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    for threads in (1, 2):
+        model = shard(model_of(3), mesh, offload=True)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        opt = optimizer(model.parameters(), threads=threads)
+        assert opt.threads == threads
+        grads = []
+        out[("reports", threads)] = train_exact(model, opt, rank, world, grads=grads)
+        out[("grads", threads)] = grads
+        out[("params", threads)] = [full(p) for p in model.parameters()]
+
+
 def ddp(rank, world, out):
     from torch.nn.parallel import DistributedDataParallel
     out["ddp"] = {}
@@ -188,6 +209,8 @@ def main():
     out = {}
     if mode == "fsdp":
         fsdp(rank, world, out, sys.argv[6], sys.argv[7] if len(sys.argv) > 7 else None)
+    elif mode == "offload":
+        offload(rank, world, out)
     else:
         ddp(rank, world, out)
     torch.save(out, out_file)

@@ -54,6 +54,32 @@ def fsdp_runs(tmp_path_factory):
     return runs
 
 
+@pytest.fixture(scope="module")
+def offload_runs(tmp_path_factory):
+    """FSDP2 with CPUOffloadPolicy on 1 and 2 processes."""
+    if not HAS_FSDP2:
+        pytest.skip("FSDP2 needs PyTorch >= 2.6")
+    work = tmp_path_factory.mktemp("offload")
+    return {world: launch(world, "offload", work) for world in (1, 2)}
+
+
+@needs_fsdp2
+def test_fsdp2_cpu_offload_steps_bitwise_like_one_process_on_any_threads(offload_runs):
+    """The optimizer step of CPU-offloaded training runs on the host backend: 2 ranks on 1 or 2
+    threads each give one process's reports and weights, bit for bit."""
+    one = offload_runs[1][0]
+    for threads in (1, 2):
+        assert same_reports(one[("reports", threads)], one[("reports", 1)])
+        assert all(torch.equal(a, b) for a, b in zip(one[("params", threads)], one[("params", 1)]))
+        for rank, r in enumerate(offload_runs[2]):
+            for step, (mine, single) in enumerate(zip(r[("grads", threads)], one[("grads", 1)])):
+                assert all(torch.equal(a, b) for a, b in zip(mine, single)), (rank, step)
+            assert same_reports(r[("reports", threads)], one[("reports", 1)]), (rank, threads)
+            assert all(torch.equal(a, b) for a, b in zip(r[("params", threads)], one[("params", 1)])), (rank, threads)
+    assert one[("reports", 1)][W.INF_STEP]["outcome"] == "skipped_overflow"
+    assert one[("reports", 1)][0]["outcome"] == "applied"
+
+
 @needs_fsdp2
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_steps_bitwise_like_one_process(fsdp_runs, world):

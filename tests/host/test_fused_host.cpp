@@ -143,27 +143,30 @@ TEST_CASE("the reference backend steps as the rules, stated plainly, say", "[fus
 }
 
 TEST_CASE("last_report before any step is a usage error", "[fused]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel m = model(42);
-  FusedAdamW opt(m.views(), StepConfig{}, Backend::reference);
+  FusedAdamW opt(m.views(), StepConfig{}, backend);
   CHECK(kind_of([&] { opt.last_report(); }) == ErrorKind::usage);
   CHECK(kind_of([&] { opt.nonfinite_counts(); }) == ErrorKind::usage);
 }
 
 TEST_CASE("nonfinite_counts names the tensors that overflowed", "[fused]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel m = model(43);
   m.tensors[3].grad[16] = 0x7E00;
   m.tensors[3].grad[0] = 0xFC00;
   m.tensors[1].grad[1] = 0x7C00;
-  FusedAdamW opt(m.views(), StepConfig{}, Backend::reference);
+  FusedAdamW opt(m.views(), StepConfig{}, backend);
   opt.step();
   CHECK(opt.nonfinite_counts() == std::vector<std::int64_t>{0, 1, 0, 2});
   CHECK(opt.last_report().first_nonfinite_tensor == 1);
 }
 
 TEST_CASE("set_lr changes the next step and rejects bad groups and rates", "[fused]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel a = model(44), b = a;
   StepConfig c;
-  FusedAdamW opt(a.views(), c, Backend::reference);
+  FusedAdamW opt(a.views(), c, backend);
   opt.set_lr(0, 0.0f);
   opt.step();
   for (std::size_t t = 0; t < a.tensors.size(); ++t) CHECK(a.tensors[t].master == b.tensors[t].master);
@@ -176,8 +179,9 @@ TEST_CASE("set_lr changes the next step and rejects bad groups and rates", "[fus
 }
 
 TEST_CASE("save_state and load_state round-trip and refuse corrupt input", "[fused][checkpoint]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel m = model(45);
-  FusedAdamW opt(m.views(), StepConfig{}, Backend::reference);
+  FusedAdamW opt(m.views(), StepConfig{}, backend);
   for (int i = 0; i < 3; ++i) opt.step();
   const std::string saved = opt.save_state();
   const OptimizerState at_save = opt.state();
@@ -195,11 +199,12 @@ TEST_CASE("save_state and load_state round-trip and refuse corrupt input", "[fus
 }
 
 TEST_CASE("load_state refuses a state that does not fit the config", "[fused][checkpoint]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel m = model(46);
   StepConfig c;
   c.scaler.max_scale = 1024.0f;
   c.scaler.init_scale = 1024.0f;
-  FusedAdamW opt(m.views(), c, Backend::reference);
+  FusedAdamW opt(m.views(), c, backend);
   const StepConfig other;  // max_scale 2^24
   CHECK_THROWS_WITH(opt.load_state(encode_state(OptimizerState::initial(other), other)),
                     Catch::Contains("ScalerConfig.max_scale"));
@@ -207,16 +212,17 @@ TEST_CASE("load_state refuses a state that does not fit the config", "[fused][ch
 }
 
 TEST_CASE("a save/load round trip restores the learning rates set by set_lr and device_lr", "[fused][checkpoint]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel m = model(50);
   StepConfig c;
   c.groups.resize(2);
   m.tensors[1].group = 1;
-  FusedAdamW opt(m.views(), c, Backend::reference);
+  FusedAdamW opt(m.views(), c, backend);
   opt.set_lr(0, 2.5e-4f);
   *opt.device_lr(1) = 7e-3f;
   opt.step();
   const std::string saved = opt.save_state();
-  FusedAdamW fresh(m.views(), c, Backend::reference);
+  FusedAdamW fresh(m.views(), c, backend);
   CHECK(fresh.learning_rates() == std::vector<float>{1e-3f, 1e-3f});
   fresh.load_state(saved);
   CHECK(fresh.learning_rates() == std::vector<float>{2.5e-4f, 7e-3f});
@@ -228,11 +234,12 @@ TEST_CASE("a save/load round trip restores the learning rates set by set_lr and 
 }
 
 TEST_CASE("an invalid learning rate written through device_lr skips the step with a reason", "[fused]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   for (float bad : {NAN, -1e-3f, INFINITY, 20.0f}) {  // 20 · wd 0.1 >= 1
     HostModel m = model(51), before = m;
     StepConfig c;
     c.groups[0].weight_decay = 0.1f;
-    FusedAdamW opt(m.views(), c, Backend::reference);
+    FusedAdamW opt(m.views(), c, backend);
     *opt.device_lr(0) = bad;
     opt.step();
     const StepReport r = opt.last_report();
@@ -249,10 +256,11 @@ TEST_CASE("an invalid learning rate written through device_lr skips the step wit
 }
 
 TEST_CASE("set_lr refuses a rate whose decoupled decay would flip the weights", "[fused][validate]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel m = model(52);
   StepConfig c;
   c.groups[0].weight_decay = 0.5f;
-  FusedAdamW opt(m.views(), c, Backend::reference);
+  FusedAdamW opt(m.views(), c, backend);
   CHECK_THROWS_WITH(opt.set_lr(0, 2.0f), Catch::Contains("lr * weight_decay must be < 1"));
   CHECK(opt.config().groups[0].lr == 1e-3f);
   opt.set_lr(0, 1.9f);
@@ -260,7 +268,7 @@ TEST_CASE("set_lr refuses a rate whose decoupled decay would flip the weights", 
 
 TEST_CASE("setup rejects bad input before touching CUDA", "[fused][validate]") {
   HostModel m = model(47);
-  for (Backend backend : {Backend::cuda, Backend::reference}) {
+  for (Backend backend : {Backend::cuda, Backend::reference, Backend::host}) {
     auto v = m.views();
     v[1].exp_avg = nullptr;
     CHECK_THROWS_WITH(FusedAdamW(v, StepConfig{}, backend), Catch::Contains("tensors[1].exp_avg is null"));
@@ -302,8 +310,9 @@ TEST_CASE("the CUDA backend refuses host buffers", "[fused][validate]") {
 }
 
 TEST_CASE("a moved-from FusedAdamW hands its state to the new owner and refuses every call", "[fused]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel m = model(49);
-  FusedAdamW a(m.views(), StepConfig{}, Backend::reference);
+  FusedAdamW a(m.views(), StepConfig{}, backend);
   a.step();
   FusedAdamW b = std::move(a);
   CHECK(b.last_report().attempt == 1);
@@ -323,16 +332,18 @@ TEST_CASE("a moved-from FusedAdamW hands its state to the new owner and refuses 
 }
 
 TEST_CASE("each call before the first step names itself", "[fused]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel m = model(53);
-  FusedAdamW opt(m.views(), StepConfig{}, Backend::reference);
+  FusedAdamW opt(m.views(), StepConfig{}, backend);
   CHECK_THROWS_WITH(opt.nonfinite_counts(), Catch::StartsWith("nonfinite_counts: no step has run yet"));
   CHECK_THROWS_WITH(opt.last_report(), Catch::StartsWith("last_report: no step has run yet"));
 }
 
 TEST_CASE("a step past kCounterLimit attempts is refused", "[fused]") {
+  const Backend backend = GENERATE(Backend::reference, Backend::host);  // the same rules on both host backends
   HostModel m = model(54);
   StepConfig c;
-  FusedAdamW opt(m.views(), c, Backend::reference);
+  FusedAdamW opt(m.views(), c, backend);
   OptimizerState full = OptimizerState::initial(c);
   full.attempts = kCounterLimit;
   full.step = 10;

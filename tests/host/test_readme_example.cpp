@@ -17,15 +17,15 @@ struct ExampleResult {
 
 ExampleResult readme_example() {
   // example:begin
-  // One tensor of 4 weights. Backend::cuda takes device pointers; Backend::reference runs the
-  // same step on host memory, so this example runs anywhere.
+  // One tensor of 4 weights. Backend::cuda takes device pointers; Backend::host runs the same
+  // step (the kernels' arithmetic, bit for bit) on host memory, so this example runs anywhere.
   std::vector<float> master = {0.5f, -0.25f, 1.0f, 0.0f}, m(4), v(4);
   std::vector<std::uint16_t> grad(4), model(4);
 
   halfstep::StepConfig config;     // fp16 grads and model copy, AdamW lr 1e-3, dynamic loss scale
   config.max_grad_norm = 1.0f;     // clip the unscaled global norm
   halfstep::FusedAdamW opt({{master.data(), grad.data(), m.data(), v.data(), model.data(), 4}},
-                           config, halfstep::Backend::reference);
+                           config, halfstep::Backend::host);
 
   const float S = opt.loss_scale();  // the backward pass of loss × S writes scaled fp16 grads
   for (int i = 0; i < 4; ++i) grad[i] = halfstep::to_f16_bits(0.01 * (i + 1) * S);

@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""The optimizer step on the CPU: halfstep's host backend (halfstep.torch.FusedAdamW on CPU tensors:
+check + exact norm + clip + AdamW + model copy, fused) against PyTorch's CPU pipelines, side by side
+in one run on the same machine, with the machine's copy bandwidth measured in the same run.
+
+Rows, for one parameter tensor of N elements (1M to 100M) in fp32 (the autocast recipe: fp32
+parameters and gradients) and bf16, on 1 thread and on all of them:
+- halfstep: FusedAdamW(max_grad_norm=1.0); fp32 parameters are their own masters, bf16 ones get
+  fp32 masters and moments; and with 8-bit moments (exp_avg_dtype=exp_avg_sq_dtype=torch.uint8),
+  with an fp32 master and without one (bf16);
+- torch fused: clip_grad_norm_ + AdamW(fused=True) (on bf16 parameters torch keeps no master);
+- torch foreach: clip_grad_norm_ + AdamW(foreach=True);
+- torch fp16 recipe (fp32 parameters): GradScaler("cpu").unscale_ + clip_grad_norm_ + step + update;
+- copy: a STREAM-style copy (dst.copy_(src), torch's own parallel copy) of the bytes halfstep's
+  step must move (state_bytes: pass 1 reads the gradients, pass 2 reads them and the state and
+  writes the state and the model copy), the time that traffic takes at this machine's bandwidth.
+
+Each time is the median of --repeats steps after two warm-up steps. Writes RESULTS_DIR/cpu_step.json
+and, with matplotlib, RESULTS_DIR/cpu_step.png (the thread scaling of the largest size and the
+copy-bandwidth line). --new-user also times the step of a GPT-2-style model of 842,496 parameters
+(transformers' GPT2Config, 4 layers of width 128) on one thread, as a new user would.
+
+usage: bench/cpu_step.py [--sizes 1e6,1e7,1e8] [--threads 1,2] [--repeats 7] [--out DIR]
+                         [--new-user] [--plot-only]
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import benchlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def median_ms(fn, repeats):
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def moved_bytes(halfstep, **config):
+    """Bytes per parameter one applied step moves (state_bytes(config).moved)."""
+    return halfstep.state_bytes(halfstep.config(**config), model_copy=config.get("dtype") != "float32")["moved"]
+
+
+def copy_ms(torch, nbytes, repeats):
+    """A copy that reads and writes `nbytes` in all (half each way)."""
+    half = max(1, nbytes // 2)
+    src = torch.ones(half, dtype=torch.uint8)
+    dst = torch.empty(half, dtype=torch.uint8)
+    return median_ms(lambda: dst.copy_(src), repeats)
+
+
+def halfstep_ms(torch, n, dtype, repeats, threads, **kw):
+    from halfstep.torch import FusedAdamW
+    p = torch.nn.Parameter(torch.randn(n, dtype=torch.float32).mul_(0.02).to(dtype))
+    p.grad = torch.randn(n, dtype=torch.float32).mul_(1e-3).to(dtype)
+    opt = FusedAdamW([p], lr=1e-4, weight_decay=0.01, max_grad_norm=1.0, threads=threads, **kw)
+    ms = median_ms(opt.step, repeats)
+    assert opt.last_report()["outcome"] == "applied", opt.last_report()
+    return ms
+
+
+def torch_ms(torch, n, dtype, repeats, fused, recipe=False):
+    p = torch.nn.Parameter(torch.randn(n, dtype=torch.float32).mul_(0.02).to(dtype))
+    p.grad = torch.randn(n, dtype=torch.float32).mul_(1e-3).to(dtype)
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, fused=fused, foreach=not fused)
+    if recipe:
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(torch.ones(()))  # as a training loop's scaler.scale(loss) would, once
+
+        def step():
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_([p], 1.0)
+            scaler.step(opt)
+            scaler.update()
+    else:
+        def step():
+            torch.nn.utils.clip_grad_norm_([p], 1.0)
+            opt.step()
+    return median_ms(step, repeats)
+
+
+def new_user(torch, repeats):
+    """The step of a GPT-2-style model (842,496 parameters) on one thread, fp32 and bf16 parameters."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from halfstep.torch import FusedAdamW
+    torch.set_num_threads(1)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=128, n_embd=128, n_layer=4, n_head=4)).to(dtype)
+        params = list(model.parameters())
+        x = torch.randint(0, 256, (4, 128))
+        model(input_ids=x, labels=x).loss.backward()
+        row = {"parameters": sum(p.numel() for p in params)}
+        opt = FusedAdamW(params, lr=1e-4, weight_decay=0.01, max_grad_norm=1.0, threads=1)
+        row["halfstep"] = median_ms(opt.step, repeats)
+        for label, fused in (("torch", False), ("torch fused", True)):
+            t = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=fused, foreach=not fused)
+
+            def step():
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                t.step()
+            row[label] = median_ms(step, repeats)
+        out[name] = row
+        print("new user, %s parameters (%d): halfstep %.2f ms, torch AdamW + clip %.2f ms, AdamW(fused) + clip %.2f ms" %
+              (name, row["parameters"], row["halfstep"], row["torch"], row["torch fused"]), flush=True)
+    return out
+
+
+def plot(results, path):
+    plt = benchlib.pyplot()
+    if plt is None or not results.get("scaling"):
+        return
+    fig, axes = plt.subplots(1, len(results["scaling"]), figsize=(5 * len(results["scaling"]), 4), squeeze=False)
+    for ax, (label, rows) in zip(axes[0], results["scaling"].items()):
+        threads = [r["threads"] for r in rows]
+        for key, style in (("halfstep", "o-"), ("torch fused", "s--"), ("torch foreach", "^:"), ("copy", "k-")):
+            if all(key in r for r in rows):
+                ax.plot(threads, [r[key] for r in rows], style,
+                        label="copy of the same bytes (bandwidth bound)" if key == "copy" else key)
+        ax.set_xlabel("threads")
+        ax.set_ylabel("ms per step")
+        ax.set_title(label)
+        ax.set_xticks(threads)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("optimizer step on the CPU (%s)" % results.get("cpu", "this machine"))
+    benchlib.write_figure(fig, path)
+
+
+def main():
+    def extra(ap):
+        ap.add_argument("--sizes", default="1e6,1e7,1e8", help="parameters per run (comma-separated)")
+        ap.add_argument("--threads", default="1,%d" % (os.cpu_count() or 1), help="thread counts (comma-separated)")
+        ap.add_argument("--repeats", type=int, default=7)
+        ap.add_argument("--new-user", action="store_true", help="also time a 842k-parameter GPT-2-style model's step")
+    args = benchlib.arguments(__doc__, "cpu_step", 0, extra)
+    if benchlib.redraw(args, plot):
+        return
+    import torch
+    sys.path.insert(0, os.path.join(HERE, "..", "python"))
+    import halfstep
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    thread_counts = sorted({int(t) for t in args.threads.split(",")})
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    results = {"torch": torch.__version__, "cpu": "%s, %d threads" % (cpu, os.cpu_count() or 1), "rows": [],
+               "scaling": {}}
+    kinds = [
+        ("fp32", torch.float32, {}, dict(dtype="float32")),
+        ("bf16", torch.bfloat16, {}, dict(dtype="bfloat16")),
+        ("bf16, 8-bit moments", torch.bfloat16, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+         dict(dtype="bfloat16", exp_avg="block8", exp_avg_sq="block8")),
+        ("bf16, no master, 8-bit moments", torch.bfloat16,
+         dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, master_weight_dtype=None),
+         dict(dtype="bfloat16", master="none", exp_avg="block8", exp_avg_sq="block8")),
+    ]
+    print("%-32s %10s %7s %10s %10s %10s %10s %10s %7s" % ("format", "params", "threads", "halfstep", "torch fused",
+                                                           "foreach", "fp16 rec.", "copy", "x copy"))
+    for n in sizes:
+        for label, dtype, kw, cfg in kinds:
+            moved = moved_bytes(halfstep, **cfg)
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                row = {"format": label, "parameters": n, "threads": threads, "moved_bytes_per_param": moved}
+                row["halfstep"] = halfstep_ms(torch, n, dtype, args.repeats, threads, **kw)
+                if not kw:  # torch has no lean formats to compare
+                    row["torch fused"] = torch_ms(torch, n, dtype, args.repeats, fused=True)
+                    row["torch foreach"] = torch_ms(torch, n, dtype, args.repeats, fused=False)
+                    if dtype == torch.float32:
+                        row["torch fp16 recipe"] = torch_ms(torch, n, dtype, args.repeats, fused=True, recipe=True)
+                row["copy"] = copy_ms(torch, moved * n, args.repeats)
+                row["x copy"] = row["halfstep"] / row["copy"]
+                results["rows"].append(row)
+                print("%-32s %10d %7d %10.2f %10s %10s %10s %10.2f %7.2f" % (
+                    label, n, threads, row["halfstep"], "%.2f" % row["torch fused"] if "torch fused" in row else "-",
+                    "%.2f" % row["torch foreach"] if "torch foreach" in row else "-",
+                    "%.2f" % row["torch fp16 recipe"] if "torch fp16 recipe" in row else "-", row["copy"], row["x copy"]),
+                    flush=True)
+    # The thread scaling of the largest size: every thread count up to the machine's.
+    largest = max(sizes)
+    for label, dtype, kw, cfg in kinds[:2]:
+        rows = []
+        moved = moved_bytes(halfstep, **cfg)
+        for threads in range(1, (os.cpu_count() or 1) + 1):
+            torch.set_num_threads(threads)
+            rows.append({"threads": threads, "halfstep": halfstep_ms(torch, largest, dtype, args.repeats, threads, **kw),
+                         "torch fused": torch_ms(torch, largest, dtype, args.repeats, fused=True),
+                         "copy": copy_ms(torch, moved * largest, args.repeats)})
+        results["scaling"]["%s, %.0e parameters" % (label, largest)] = rows
+    if args.new_user:
+        results["new_user"] = new_user(torch, max(args.repeats, 21))
+    benchlib.save(results, args, plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,394 @@
+// The host backend's passes: pass 1 (the inf/NaN check, the exact Σg², the largest magnitude and
+// the subnormal and zero counts) and pass 2 (unscale, clip, AdamW in every state format, the
+// model copy) over one chunk, with the kernels' own per-element arithmetic.
+//
+// Written for the compiler's vectoriser: each pass is a plain loop over a chunk's elements that
+// converts, computes and stores with selects, no branch (a rare held element is stored by a
+// second, scalar loop), so GCC turns it into 8-wide AVX2 code; the CTest
+// host_passes_are_vectorised checks the generated code. The file is compiled once for the
+// baseline instruction set; the AVX2 variant is the same templates instantiated inside functions
+// marked target("avx2,fma,f16c") and flatten, so everything they call is compiled into them for
+// that instruction set, and nothing compiled for AVX2 is ever shared with code that runs without
+// it. Every variant computes the same bits: IEEE operations as written (no contraction, fmaf where
+// the kernels fuse), exact conversions, and integer sums.
+#include "host_passes.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "pass2_element.hpp"
+#include "step_math.hpp"
+
+namespace halfstep::detail {
+namespace {
+
+// -- conversions (state_codec.hpp: f16_value, f16_nearest, bf16) ------------------------------------
+
+/// A gradient in fp32 (exact for every format).
+template <DType kGrad>
+inline float grad_value(const void* grad, std::int64_t i) {
+  if constexpr (kGrad == DType::f32) {
+    return static_cast<const float*>(grad)[i];
+  } else if constexpr (kGrad == DType::bf16) {
+    return bf16_value(static_cast<const std::uint16_t*>(grad)[i]);
+  } else {
+    return f16_value(static_cast<const std::uint16_t*>(grad)[i]);
+  }
+}
+
+// -- pass 1 ------------------------------------------------------------------------------------
+
+/// The value of a finite magnitude pattern of the gradient format in fp64, exactly.
+template <DType kGrad>
+inline double magnitude_double(std::uint32_t mag) {
+  if constexpr (kGrad == DType::f32) {
+    return static_cast<double>(float_of(mag));
+  } else if constexpr (kGrad == DType::bf16) {
+    return static_cast<double>(float_of(mag << 16));
+  } else {
+    return static_cast<double>(f16_value(static_cast<std::uint16_t>(mag)));
+  }
+}
+
+template <DType kGrad>
+struct Pass1Format {
+  static constexpr int kParts = kGrad == DType::f32 ? 3 : 2;
+  static constexpr std::uint32_t kMag = format_bits(kGrad).magnitude();
+  static constexpr std::uint32_t kInf = format_bits(kGrad).infinity();
+  static constexpr bool kWindowed = kGrad != DType::f16;
+  static constexpr int kMagBits = kGrad == DType::f32 ? 31 : 15;  // kMag is 2^kMagBits - 1
+};
+
+/// Adds v (an integer multiple of 2^-298, >= 0) to limbs exactly.
+inline void deposit(std::uint64_t (&limbs)[kSumLimbs], double v) {
+  const LimbDeposit d = limb_deposit(v);
+  if (d.index < 0) return;
+  for (int k = 0; k < 3 && d.index + k < kSumLimbs; ++k) limbs[d.index + k] += d.digit[k];
+}
+
+/// The integer y / 2^unit of a double y that is an integer multiple of 2^unit below 2^(unit + 51)
+/// in magnitude: y + 1.5·2^(unit + 52) lies in a binade whose ulp is 2^unit, so the addition is
+/// exact and the sum's bits less the constant's are the integer (two's complement below zero).
+inline std::int64_t count_of(double y, double magic) {
+  return static_cast<std::int64_t>(double_bits(y + magic) - double_bits(magic));
+}
+
+// Pass 1 on one chunk: the kernel's split of each square (exact_sum.hpp) into parts at fixed
+// points, each part counted as an integer in its unit and added in 64-bit integers, so the loop
+// is one flat reduction of integers that the compiler may vectorise in any order. Every part of an
+// element in the window is below 2^51 units and a chunk holds at most 2^15 elements, so no sum
+// passes 2^63 (the kernel's block sums have the same bound); the digits are the kernel's.
+template <DType kGrad>
+inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const ChunkDesc& chunk, ChunkPartial& out,
+                          std::uint64_t (&spill)[kSumLimbs], bool& spilled) {
+  using P = Pass1Format<kGrad>;
+  using Word = std::conditional_t<kGrad == DType::f32, std::uint32_t, std::uint16_t>;
+  constexpr int kParts = P::kParts;
+  out = ChunkPartial{};
+  if (tensor.grad == nullptr) return;  // no gradient for this tensor in this step: nothing measured
+  const Word* const words = static_cast<const Word*>(tensor.grad) + chunk.begin;
+  const int n = chunk.len;
+  const SquareSplit& split = a.split;
+  const std::uint32_t normal = kGrad == DType::f32 ? a.normal_bits : format_bits(kGrad).exponent_lsb;
+  const std::uint32_t low = split.low, high = split.high;
+  const double m0 = split.magic[0], m1 = split.magic[1];
+  double magic[3] = {0.0, 0.0, 0.0};
+  for (int k = 0; k < kParts; ++k) magic[k] = ::ldexp(1.5, split.unit_log2[k] + 52);
+  const double c0 = magic[0], c1 = magic[1], c2 = magic[2];
+  std::int64_t s0 = 0, s1 = 0, s2 = 0;
+  std::uint32_t max_all = 0, nonfinite = 0, nonzero = 0, subnormal = 0, outside = 0;
+  // Two loops over the chunk (the second reads it from cache), each of one kind of reduction, so
+  // that the compiler vectorises both: the counts and the largest pattern, then the squares.
+  for (int i = 0; i < n; ++i) {
+    const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
+    nonfinite += mag >= P::kInf ? 1u : 0u;
+    max_all = mag > max_all ? mag : max_all;  // inf and NaN lie above every finite pattern
+    nonzero += (mag + P::kMag) >> P::kMagBits;  // 1 unless mag is 0 (as arithmetic, which vectorises here)
+    subnormal += mag - 1u < normal - 1u ? 1u : 0u;  // 0 < mag < normal: zero wraps past it
+    if constexpr (P::kWindowed) outside += mag - 1u < low - 1u || (mag >= high && mag < P::kInf) ? 1u : 0u;
+  }
+  for (int i = 0; i < n; ++i) {
+    const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
+    // fp16: every finite value is in the window; zero adds nothing
+    const bool summed = P::kWindowed ? mag >= low && mag < high : mag < P::kInf;
+    const double x = summed ? magnitude_double<kGrad>(mag) : 0.0;
+    const double hi = ::fma(x, x, m0) - m0;  // x² rounded to a multiple of the first split point
+    const double rest = ::fma(x, x, -hi);    // x² - hi, exactly
+    s0 += count_of(hi, c0);
+    if constexpr (kParts == 2) {
+      s1 += count_of(rest, c1);
+    } else {
+      const double mid = (rest + m1) - m1;  // rest rounded to a multiple of the second split point
+      s1 += count_of(mid, c1);
+      s2 += count_of(rest - mid, c2);
+    }
+  }
+  std::uint32_t max_bits = max_all;
+  if (nonfinite != 0) {  // the largest finite magnitude, read again (rare: the step will be skipped)
+    max_bits = 0;
+    for (int i = 0; i < n; ++i) {
+      const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
+      if (mag < P::kInf && mag > max_bits) max_bits = mag;
+    }
+  }
+  out.max_bits = max_bits;
+  out.nonfinite = nonfinite;
+  if (!tensor.in_norm) return;  // a tensor outside the norm adds only its inf/NaN count and its maximum
+  const std::int64_t part[3] = {s0, s1, s2};
+  place_parts(split, part, out.digit);
+  out.subnormal = subnormal;
+  out.zero = static_cast<std::uint32_t>(n) - nonzero;
+  if (P::kWindowed && outside != 0) {
+    // Squares outside the window (rare): exactly into limbs, normalised on the way as the kernel
+    // adds them, so each limb gains less than 2^32 per chunk.
+    std::uint64_t local[kSumLimbs] = {};
+    for (int i = 0; i < n; ++i) {
+      const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
+      if (mag != 0 && mag < P::kInf && (mag < low || mag >= high)) {
+        const double x = magnitude_double<kGrad>(mag);
+        deposit(local, x * x);  // exact: at most 48 significant bits
+      }
+    }
+    std::uint64_t carry = 0;
+    for (int i = 0; i < kSumLimbs; ++i) {
+      const std::uint64_t v = local[i] + carry;
+      spill[i] += i + 1 < kSumLimbs ? (v & 0xFFFFFFFFull) : v;
+      carry = v >> 32;
+    }
+    spilled = true;
+  }
+}
+
+// -- pass 2 ------------------------------------------------------------------------------------
+
+/// Elements pass 2 updates at a time (its temporaries stay in L1).
+inline constexpr int kTile = 256;
+
+template <DType kGrad, class F, bool kDraw>
+inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
+  using PS = typename F::Master::Stored;
+  using MS = typename F::M::Stored;
+  using VS = typename F::V::Stored;
+  PS* const master = F::Master::kStored ? static_cast<PS*>(tensor.master) + chunk.begin : nullptr;
+  MS* const exp_avg = static_cast<MS*>(tensor.exp_avg) + chunk.begin;
+  VS* const exp_avg_sq = static_cast<VS*>(tensor.exp_avg_sq) + chunk.begin;
+  std::uint16_t* const model = tensor.model != nullptr ? static_cast<std::uint16_t*>(tensor.model) + chunk.begin : nullptr;
+  const void* const grad = static_cast<const unsigned char*>(tensor.grad) + chunk.begin * (kGrad == DType::f32 ? 4 : 2);
+  const bool with_model = model != nullptr;
+  const Decision d = a.decision;
+  const GroupConsts k = a.consts[tensor.group];
+  const std::uint64_t key = kDraw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
+  const std::int64_t first = tensor.key_offset + chunk.begin;
+  std::uint64_t held = 0;
+  for (int t0 = 0; t0 < chunk.len; t0 += kTile) {
+    const int n = chunk.len - t0 < kTile ? chunk.len - t0 : kTile;
+    // Each element's values, the old where it is held, into the tile's temporaries, then stored:
+    // the first loop has no store a compiler could turn back into a branch.
+    PS ps_out[kTile];
+    MS m_out[kTile];
+    VS v_out[kTile];
+    std::uint16_t w_out[kTile];
+    std::uint8_t kept[kTile];
+    std::uint32_t tile_held = 0;
+    for (int j = 0; j < n; ++j) {
+      const int i = t0 + j;
+      PS p = F::Master::kStored ? master[i] : PS{};
+      std::uint16_t w = F::Master::kReadsModel ? model[i] : std::uint16_t{0};
+      MS m = exp_avg[i];
+      VS v = exp_avg_sq[i];
+      std::uint32_t random, random_w;
+      draw<F, kDraw>(key, first + i, random, random_w);
+      const bool keep = update_element<F, kDraw>(p, w, m, v, unscale(grad_value<kGrad>(grad, i), d), with_model,
+                                                 random, random_w, k);
+      ps_out[j] = p;
+      m_out[j] = m;
+      v_out[j] = v;
+      w_out[j] = w;
+      kept[j] = keep ? 1 : 0;
+      tile_held += keep ? 1u : 0u;
+    }
+    for (int j = 0; j < n; ++j) {
+      if constexpr (F::Master::kStored) master[t0 + j] = ps_out[j];
+      exp_avg[t0 + j] = m_out[j];
+      exp_avg_sq[t0 + j] = v_out[j];
+      if constexpr (F::Master::kReadsModel) model[t0 + j] = w_out[j];  // such formats always have a model copy
+    }
+    if (!F::Master::kReadsModel && with_model) {
+      // Written from the master: a held element keeps its model copy as it is (rare).
+      if (tile_held == 0) {
+        for (int j = 0; j < n; ++j) model[t0 + j] = w_out[j];
+      } else {
+        for (int j = 0; j < n; ++j) {
+          if (kept[j] == 0) model[t0 + j] = w_out[j];
+        }
+      }
+    }
+    held += tile_held;
+  }
+  return held;
+}
+
+/// Pass 2 over the blocks of a tensor with block8 moments that start in the chunk (the last may
+/// run past its end: pieces hold whole blocks), a block at a time with update_block8, the host's
+/// mirror of the kernel's warp step, bit for bit.
+template <DType kGrad, class Master, bool kDraw>
+inline std::uint64_t apply_blocks(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
+  using PS = typename Master::Stored;
+  const Block8Geometry& geo = tensor.blocks;
+  const std::int64_t b_end = geo.first_block_from(tensor.key_offset + chunk.begin + chunk.len);
+  auto* const master = static_cast<PS*>(tensor.master);
+  auto* const model = static_cast<std::uint16_t*>(tensor.model);
+  auto* const m_codes = static_cast<std::uint8_t*>(tensor.exp_avg);
+  auto* const v_codes = static_cast<std::uint8_t*>(tensor.exp_avg_sq);
+  const bool with_model = model != nullptr;
+  const Decision d = a.decision;
+  const GroupConsts k = a.consts[tensor.group];
+  const std::uint64_t key = kDraw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
+  std::uint64_t held = 0;
+  for (std::int64_t b = geo.first_block_from(tensor.key_offset + chunk.begin); b < b_end; ++b) {
+    const std::int64_t start = geo.block_start(b);  // in the whole tensor
+    const int n = static_cast<int>(geo.block_size(b));
+    const std::int64_t at = start - tensor.key_offset;  // in the piece
+    float g[kBlock8];
+    std::uint32_t random[kBlock8];
+    for (int j = 0; j < n; ++j) {
+      g[j] = unscale(grad_value<kGrad>(tensor.grad, at + j), d);
+      random[j] = kDraw ? element_bits(key, start + j) : 0u;
+    }
+    const std::int64_t s = b - tensor.first_block;
+    if (update_block8<Master, kDraw>(*a.exp_avg_codec, *a.exp_avg_sq_codec, Master::kStored ? master + at : nullptr,
+                                     with_model ? model + at : nullptr, m_codes + at, v_codes + at,
+                                     tensor.exp_avg_scale[s], tensor.exp_avg_sq_scale[s], g, n, with_model, random, k)) {
+      held += static_cast<std::uint64_t>(n);
+    }
+  }
+  return held;
+}
+
+// -- dispatch over the formats the API offers (as the kernels' launch_apply) ---------------------
+
+template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
+inline std::uint64_t apply_one(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
+  const bool stochastic = a.state.rounding == Rounding::stochastic;
+  if constexpr (kM == MomentFormat::block8) {  // a tensor that keeps wide moments: fp32
+    using W = Formats<kModel, kMaster, MomentFormat::f32, MomentFormat::f32>;
+    if (tensor.quantized != 0) {
+      return stochastic ? apply_blocks<kGrad, typename W::Master, true>(a, tensor, chunk)
+                        : apply_blocks<kGrad, typename W::Master, false>(a, tensor, chunk);
+    }
+    if constexpr (W::kNarrow) {
+      return stochastic ? apply_elements<kGrad, W, true>(a, tensor, chunk) : apply_elements<kGrad, W, false>(a, tensor, chunk);
+    } else {
+      return apply_elements<kGrad, W, false>(a, tensor, chunk);
+    }
+  } else {
+    using F = Formats<kModel, kMaster, kM, kV>;
+    if constexpr (F::kNarrow) {
+      return stochastic ? apply_elements<kGrad, F, true>(a, tensor, chunk) : apply_elements<kGrad, F, false>(a, tensor, chunk);
+    } else {
+      return apply_elements<kGrad, F, false>(a, tensor, chunk);
+    }
+  }
+}
+
+template <DType kGrad, DType kModel, MasterFormat kMaster>
+inline std::uint64_t apply_moments(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
+  using MF = MomentFormat;
+  const StateFormat& s = a.state;
+  if (s.exp_avg == MF::block8) return apply_one<kGrad, kModel, kMaster, MF::block8, MF::block8>(a, tensor, chunk);
+  if (s.exp_avg == MF::bf16) {
+    return s.exp_avg_sq == MF::bf16 ? apply_one<kGrad, kModel, kMaster, MF::bf16, MF::bf16>(a, tensor, chunk)
+                                    : apply_one<kGrad, kModel, kMaster, MF::bf16, MF::f32>(a, tensor, chunk);
+  }
+  return s.exp_avg_sq == MF::bf16 ? apply_one<kGrad, kModel, kMaster, MF::f32, MF::bf16>(a, tensor, chunk)
+                                  : apply_one<kGrad, kModel, kMaster, MF::f32, MF::f32>(a, tensor, chunk);
+}
+
+template <DType kGrad>
+inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
+  if (a.model_dtype == DType::bf16) {
+    if (a.state.master == MasterFormat::bf16_remainder) {
+      return apply_moments<kGrad, DType::bf16, MasterFormat::bf16_remainder>(a, tensor, chunk);
+    }
+    if (a.state.master == MasterFormat::none) return apply_moments<kGrad, DType::bf16, MasterFormat::none>(a, tensor, chunk);
+    return apply_moments<kGrad, DType::bf16, MasterFormat::f32>(a, tensor, chunk);
+  }
+  return apply_moments<kGrad, DType::f16, MasterFormat::f32>(a, tensor, chunk);
+}
+
+// The entry points of each variant, one per gradient format, so that each is a function of its
+// own that the target attribute compiles for its instruction set.
+#define HALFSTEP_HOST_VARIANT(NAME, ATTRIBUTES)                                                              \
+  ATTRIBUTES void NAME##_measure_f16(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c,             \
+                                     ChunkPartial& out, std::uint64_t (&spill)[kSumLimbs], bool& spilled) {  \
+    measure_chunk<DType::f16>(a, t, c, out, spill, spilled);                                                  \
+  }                                                                                                           \
+  ATTRIBUTES void NAME##_measure_bf16(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c,            \
+                                      ChunkPartial& out, std::uint64_t (&spill)[kSumLimbs], bool& spilled) { \
+    measure_chunk<DType::bf16>(a, t, c, out, spill, spilled);                                                 \
+  }                                                                                                           \
+  ATTRIBUTES void NAME##_measure_f32(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c,             \
+                                     ChunkPartial& out, std::uint64_t (&spill)[kSumLimbs], bool& spilled) {  \
+    measure_chunk<DType::f32>(a, t, c, out, spill, spilled);                                                  \
+  }                                                                                                           \
+  void NAME##_measure(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c, ChunkPartial& out,         \
+                      std::uint64_t (&spill)[kSumLimbs], bool& spilled) {                                     \
+    if (a.grad_dtype == DType::f32) return NAME##_measure_f32(a, t, c, out, spill, spilled);                 \
+    if (a.grad_dtype == DType::bf16) return NAME##_measure_bf16(a, t, c, out, spill, spilled);               \
+    NAME##_measure_f16(a, t, c, out, spill, spilled);                                                         \
+  }                                                                                                           \
+  ATTRIBUTES std::uint64_t NAME##_apply_f16(const HostPass2& a, const TensorDesc& t, const ChunkDesc& c) {   \
+    return apply_grad<DType::f16>(a, t, c);                                                                   \
+  }                                                                                                           \
+  ATTRIBUTES std::uint64_t NAME##_apply_bf16(const HostPass2& a, const TensorDesc& t, const ChunkDesc& c) {  \
+    return apply_grad<DType::bf16>(a, t, c);                                                                  \
+  }                                                                                                           \
+  ATTRIBUTES std::uint64_t NAME##_apply_f32(const HostPass2& a, const TensorDesc& t, const ChunkDesc& c) {   \
+    return apply_grad<DType::f32>(a, t, c);                                                                   \
+  }                                                                                                           \
+  std::uint64_t NAME##_apply(const HostPass2& a, const TensorDesc& t, const ChunkDesc& c) {                  \
+    if (a.grad_dtype == DType::f32) return NAME##_apply_f32(a, t, c);                                        \
+    if (a.grad_dtype == DType::bf16) return NAME##_apply_bf16(a, t, c);                                      \
+    return NAME##_apply_f16(a, t, c);                                                                         \
+  }
+
+HALFSTEP_HOST_VARIANT(baseline, __attribute__((flatten)))
+#if defined(__x86_64__) && defined(__GNUC__)
+HALFSTEP_HOST_VARIANT(avx2, __attribute__((target("avx2,fma,f16c"), flatten)))
+#endif
+#undef HALFSTEP_HOST_VARIANT
+
+const HostPasses kBaseline{"baseline", baseline_measure, baseline_apply};
+#if defined(__x86_64__) && defined(__GNUC__)
+const HostPasses kAvx2{"avx2", avx2_measure, avx2_apply};
+#endif
+
+}  // namespace
+
+const HostPasses* host_passes_baseline() { return &kBaseline; }
+
+const HostPasses* host_passes_avx2() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return &kAvx2;
+#else
+  return nullptr;
+#endif
+}
+
+const HostPasses& host_passes() {
+  static const HostPasses* chosen = [] {
+    const char* forced = std::getenv("HALFSTEP_HOST_ISA");
+    if (forced != nullptr && std::strcmp(forced, "baseline") == 0) return host_passes_baseline();
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+      return host_passes_avx2();
+    }
+#endif
+    return host_passes_baseline();
+  }();
+  return *chosen;
+}
+
+}  // namespace halfstep::detail

@@ -1,0 +1,325 @@
+// The host backend (Backend::host) on its own: the branch-free fp16 conversions its loops use
+// against CUDA's host conversions on every pattern, its instruction-set variants against each
+// other bit for bit, its results on any number of threads, and its thread API. Its results against
+// the device's are in the GPU suite (tests/gpu/test_host_backend.cpp, on the emulated device in CI).
+#include <catch2/catch.hpp>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "halfstep/fused_adamw.hpp"
+#include "halfstep/portable_math.hpp"
+#include "halfstep/state.hpp"
+#include "host_passes.hpp"
+#include "state_codec.hpp"
+#include "step_math.hpp"
+#include "tensor_table.hpp"
+
+using namespace halfstep;
+using namespace halfstep::detail;
+
+namespace {
+
+// fp32 patterns [begin, end) whose f16_nearest differs from __float2half_rn (NaN aside).
+std::uint64_t f16_mismatches(std::uint64_t begin, std::uint64_t end, std::uint64_t stride) {
+  std::uint64_t wrong = 0;
+  for (std::uint64_t b = begin; b < end; b += stride) {
+    const float x = float_of(static_cast<std::uint32_t>(b));
+    if (x != x) continue;
+    wrong += f16_nearest(x) != __half_as_ushort(__float2half_rn(x)) ? 1 : 0;
+  }
+  return wrong;
+}
+
+}  // namespace
+
+TEST_CASE("fp16 conversions: f16_nearest is __float2half_rn on every fp32 pattern, f16_value __half2float on every fp16 one",
+          "[host][exhaustive]") {
+  for (std::uint32_t h = 0; h < 0x10000u; ++h) {
+    const float want = __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+    const float got = f16_value(static_cast<std::uint16_t>(h));
+    if (want != want) {
+      REQUIRE(got != got);
+    } else {
+      REQUIRE(bits_of(got) == bits_of(want));
+    }
+  }
+  // Every fp32 pattern (under the sanitizers every 251st), over the machine's threads.
+  const std::uint64_t stride = std::getenv("HALFSTEP_TEST_REDUCED") != nullptr ? 251 : 1;
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::uint64_t> wrong(threads, 0);
+  std::vector<std::thread> pool;
+  const std::uint64_t total = std::uint64_t{1} << 32;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      const std::uint64_t from = (total * t / threads + stride - 1) / stride * stride;
+      wrong[t] = f16_mismatches(from, total * (t + 1) / threads, stride);
+    });
+  }
+  for (std::thread& th : pool) th.join();
+  std::uint64_t sum = 0;
+  for (std::uint64_t w : wrong) sum += w;
+  REQUIRE(sum == 0);
+  // NaN gives the canonical NaN pattern.
+  REQUIRE(f16_nearest(float_of(0x7FC00000u)) == 0x7FFFu);
+  REQUIRE(f16_nearest(float_of(0xFFC00001u)) == 0x7FFFu);
+}
+
+namespace {
+
+// A table of tensors in one state format, every buffer in host memory, filled at random (special
+// values included), for running the passes directly.
+struct Buffers {
+  std::vector<ParamTensor> tensors;
+  std::vector<std::vector<unsigned char>> bytes;  // every buffer, owned here
+
+  void* buffer(std::size_t n, std::mt19937_64& rng, bool random) {
+    bytes.emplace_back(n + 16);
+    if (random) {
+      for (auto& b : bytes.back()) b = static_cast<unsigned char>(rng());
+    }
+    return bytes.back().data();
+  }
+};
+
+// Finite random values of a storage format, as bytes, with zeros, subnormals and ±values; an inf
+// where `inf_at` is a position.
+void fill(void* p, Storage s, std::size_t n, std::mt19937_64& rng, float scale, std::int64_t inf_at = -1) {
+  std::normal_distribution<float> g(0.0f, scale);
+  for (std::size_t i = 0; i < n; ++i) {
+    float x = g(rng);
+    const auto kind = rng() % 16;
+    if (kind == 0) x = 0.0f;
+    if (kind == 1) x = 1e-6f * scale * static_cast<float>(rng() % 7);  // small, subnormal in fp16 for small scales
+    if (static_cast<std::int64_t>(i) == inf_at) x = INFINITY;
+    switch (s) {
+      case Storage::f32:
+        std::memcpy(static_cast<char*>(p) + 4 * i, &x, 4);
+        break;
+      case Storage::f16: {
+        const std::uint16_t b = f16_nearest(x);
+        std::memcpy(static_cast<char*>(p) + 2 * i, &b, 2);
+        break;
+      }
+      case Storage::bf16: {
+        const std::uint16_t b = bf16_nearest(x);
+        std::memcpy(static_cast<char*>(p) + 2 * i, &b, 2);
+        break;
+      }
+      case Storage::i16:
+      case Storage::u8:
+        break;  // remainders and codes stay as the random bytes they hold
+    }
+  }
+}
+
+Buffers make_buffers(const StepConfig& c, std::mt19937_64& rng, bool with_inf) {
+  Buffers b;
+  const std::vector<std::int64_t> sizes = {4096, 40000, 7, 300, 8448, 70000};
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    ParamTensor p;
+    p.numel = sizes[t];
+    p.row = t == 4 ? 264 : 0;
+    p.group = static_cast<std::int32_t>(t % 2);
+    for (const SlotLayout& s : slot_layouts(c, p)) {
+      if (!s.present) continue;
+      void* q = b.buffer(static_cast<std::size_t>(p.numel) * s.element_bytes, rng, true);
+      if (s.slot == Slot::grad) {
+        fill(q, s.storage, static_cast<std::size_t>(p.numel), rng, 100.0f, with_inf && t == 5 ? 12345 : -1);
+        p.grad = q;
+      } else {
+        if (s.storage != Storage::u8 && s.storage != Storage::i16) {
+          fill(q, s.storage, static_cast<std::size_t>(p.numel), rng, s.slot == Slot::exp_avg_sq ? 1e-3f : 0.3f);
+        }
+        if (s.slot == Slot::exp_avg_sq && s.storage == Storage::f32) {  // second moments are >= 0
+          auto* v = static_cast<float*>(q);
+          for (std::int64_t i = 0; i < p.numel; ++i) v[i] = std::fabs(v[i]);
+        }
+        set_slot_pointer(p, s.slot, q);
+      }
+    }
+    const MomentBlocks blocks = moment_blocks(c, p);
+    if (blocks.quantized) {
+      p.exp_avg_scale = static_cast<float*>(b.buffer(static_cast<std::size_t>(blocks.blocks) * 4, rng, false));
+      p.exp_avg_sq_scale = static_cast<float*>(b.buffer(static_cast<std::size_t>(blocks.blocks) * 4, rng, false));
+      for (std::int64_t k = 0; k < blocks.blocks; ++k) {
+        p.exp_avg_scale[k] = 0.01f * static_cast<float>(1 + rng() % 5);
+        p.exp_avg_sq_scale[k] = 0.001f * static_cast<float>(1 + rng() % 5);
+      }
+    }
+    b.tensors.push_back(p);
+  }
+  return b;
+}
+
+bool avx2_runs_here() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return host_passes_avx2() != nullptr && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TEST_CASE("host passes: the baseline and AVX2 variants compute the same bits", "[host]") {
+  if (!avx2_runs_here()) {
+    WARN("this CPU runs no AVX2 variant: only the baseline is checked, against itself");
+  }
+  const HostPasses& base = *host_passes_baseline();
+  const HostPasses& fast = avx2_runs_here() ? *host_passes_avx2() : base;
+  using MF = MasterFormat;
+  using MoF = MomentFormat;
+  struct F {
+    DType grad, model;
+    MF master;
+    MoF m, v;
+    Rounding rounding;
+  };
+  for (const F f : {F{DType::f16, DType::f16, MF::f32, MoF::f32, MoF::f32, Rounding::stochastic},
+                    F{DType::bf16, DType::bf16, MF::f32, MoF::bf16, MoF::bf16, Rounding::stochastic},
+                    F{DType::f32, DType::bf16, MF::bf16_remainder, MoF::f32, MoF::bf16, Rounding::nearest},
+                    F{DType::bf16, DType::bf16, MF::none, MoF::bf16, MoF::bf16, Rounding::stochastic},
+                    F{DType::f16, DType::f16, MF::f32, MoF::block8, MoF::block8, Rounding::stochastic},
+                    F{DType::bf16, DType::bf16, MF::none, MoF::block8, MoF::block8, Rounding::nearest}}) {
+    for (const bool with_inf : {false, true}) {
+      CAPTURE(dtype_name(f.grad), master_format_name(f.master), moment_format_name(f.m), with_inf);
+      StepConfig c;
+      c.grad_dtype = f.grad;
+      c.model_dtype = f.model;
+      c.state.master = f.master;
+      c.state.exp_avg = f.m;
+      c.state.exp_avg_sq = f.v;
+      c.state.rounding = f.rounding;
+      c.groups.resize(2);
+      c.groups[1].decoupled_weight_decay = false;
+      c.groups[1].weight_decay = 0.01f;
+      std::mt19937_64 rng(7 + static_cast<std::uint64_t>(f.master) * 3 + static_cast<std::uint64_t>(f.m));
+      Buffers a = make_buffers(c, rng, with_inf);
+      Buffers b = a;  // the same bytes, in other buffers
+      for (std::size_t t = 0; t < b.tensors.size(); ++t) {
+        for (int k = 0; k < kSlotCount; ++k) {
+          const auto s = static_cast<Slot>(k);
+          const void* pa = slot_pointer(a.tensors[t], s);
+          if (pa == nullptr) continue;
+          for (std::size_t i = 0; i < a.bytes.size(); ++i) {
+            if (pa == a.bytes[i].data()) {
+              if (s == Slot::grad) {
+                b.tensors[t].grad = b.bytes[i].data();
+              } else {
+                set_slot_pointer(b.tensors[t], s, b.bytes[i].data());
+              }
+            }
+          }
+        }
+        for (std::size_t i = 0; i < a.bytes.size(); ++i) {
+          if (a.tensors[t].exp_avg_scale == static_cast<void*>(a.bytes[i].data())) b.tensors[t].exp_avg_scale = reinterpret_cast<float*>(b.bytes[i].data());
+          if (a.tensors[t].exp_avg_sq_scale == static_cast<void*>(a.bytes[i].data())) b.tensors[t].exp_avg_sq_scale = reinterpret_cast<float*>(b.bytes[i].data());
+        }
+      }
+      const TensorTable ta = build_tensor_table(a.tensors, c), tb = build_tensor_table(b.tensors, c);
+      // Pass 1 on every chunk: the same partials and spilled limbs.
+      for (std::uint32_t hint : {0x3C00u, 0x0400u, 0x7000u}) {
+        const HostPass1 args{c.grad_dtype, square_split(c.grad_dtype, hint), f32_pattern(format_info(measured_dtype(c)).min_normal)};
+        std::uint64_t spill_a[kSumLimbs] = {}, spill_b[kSumLimbs] = {};
+        bool any_a = false, any_b = false;
+        for (std::size_t k = 0; k < ta.chunks.size(); ++k) {
+          ChunkPartial pa{}, pb{};
+          base.measure(args, ta.tensors[static_cast<std::size_t>(ta.chunks[k].tensor)], ta.chunks[k], pa, spill_a, any_a);
+          fast.measure(args, tb.tensors[static_cast<std::size_t>(tb.chunks[k].tensor)], tb.chunks[k], pb, spill_b, any_b);
+          REQUIRE(std::memcmp(&pa, &pb, sizeof pa) == 0);
+        }
+        REQUIRE(any_a == any_b);
+        REQUIRE(std::equal(spill_a, spill_a + kSumLimbs, spill_b));
+      }
+      // Pass 2 on every chunk: the same bytes everywhere, and the same elements held.
+      Decision d{};
+      d.apply = 1;
+      set_coefficient(d, 0.7 / 100.0);
+      d.rounding_key = step_key(99, 3);
+      std::vector<GroupConsts> consts;
+      for (const AdamWConfig& h : c.groups) consts.push_back(group_consts(group_params(h), 1e-3f, 3));
+      const HostPass2 args{c.grad_dtype, c.model_dtype, c.state, d, consts.data(), &kSignedCodec8, &kUnsignedCodec8};
+      std::uint64_t held_a = 0, held_b = 0;
+      for (std::size_t k = 0; k < ta.chunks.size(); ++k) {
+        held_a += base.apply(args, ta.tensors[static_cast<std::size_t>(ta.chunks[k].tensor)], ta.chunks[k]);
+        held_b += fast.apply(args, tb.tensors[static_cast<std::size_t>(tb.chunks[k].tensor)], tb.chunks[k]);
+      }
+      REQUIRE(held_a == held_b);
+      for (std::size_t i = 0; i < a.bytes.size(); ++i) REQUIRE(a.bytes[i] == b.bytes[i]);
+    }
+  }
+}
+
+TEST_CASE("host backend: the same bits on 1 to 4 threads, and set_threads refuses by name", "[host][fused]") {
+  StepConfig c;
+  c.grad_dtype = DType::bf16;
+  c.model_dtype = DType::bf16;
+  c.state.master = MasterFormat::none;
+  c.state.exp_avg = c.state.exp_avg_sq = MomentFormat::block8;
+  c.max_grad_norm = 1.0f;
+  c.scaler = ScalerConfig::constant(1.0f);
+  c.groups.resize(2);
+  std::vector<std::vector<unsigned char>> results;
+  for (int threads = 1; threads <= 4; ++threads) {
+    std::mt19937_64 rng(5);
+    Buffers b = make_buffers(c, rng, false);
+    FusedAdamW opt(b.tensors, c, Backend::host);
+    opt.set_threads(threads);
+    REQUIRE(opt.threads() == threads);
+    for (int step = 0; step < 3; ++step) {
+      opt.step();
+      REQUIRE(opt.last_report().outcome == Outcome::applied);
+      for (const ParamTensor& p : b.tensors) {
+        fill(const_cast<void*>(p.grad), Storage::bf16, static_cast<std::size_t>(p.numel), rng, 1.0f);
+      }
+    }
+    std::vector<unsigned char> all;
+    for (const auto& x : b.bytes) all.insert(all.end(), x.begin(), x.end());
+    results.push_back(all);
+  }
+  for (std::size_t k = 1; k < results.size(); ++k) REQUIRE(results[k] == results[0]);
+
+  std::mt19937_64 rng(6);
+  Buffers b = make_buffers(c, rng, false);
+  FusedAdamW opt(b.tensors, c, Backend::host);
+  CHECK(opt.threads() == 1);
+  CHECK_THROWS_WITH(opt.set_threads(0), Catch::Contains("threads must be in [1, 1024], got 0"));
+  CHECK_THROWS_WITH(opt.set_threads(1025), Catch::Contains("threads must be in [1, 1024]"));
+  CHECK(opt.threads() == 1);
+  FusedAdamW ref(b.tensors, c, Backend::reference);
+  CHECK_THROWS_WITH(ref.set_threads(2), Catch::Contains("only Backend::host runs its step on host threads"));
+  CHECK(ref.threads() == 1);
+}
+
+TEST_CASE("portable logarithms: within 2 ulps of the C library's, exact at powers of two", "[host]") {
+  std::mt19937_64 rng(12);
+  std::uniform_real_distribution<double> exponent(-300.0, 300.0);
+  const auto ulps = [](double a, double b) {
+    std::int64_t x, y;
+    std::memcpy(&x, &a, 8);
+    std::memcpy(&y, &b, 8);
+    return x > y ? x - y : y - x;
+  };
+  for (int i = 0; i < 200000; ++i) {
+    const double x = std::pow(10.0, exponent(rng));
+    INFO("x = " << x);
+    const double l = std::log(x), l2 = std::log2(x);
+    if (std::fabs(l) > 1e-3) REQUIRE(ulps(portable_log(x), l) <= 2);
+    if (std::fabs(l2) > 1e-3) REQUIRE(ulps(portable_log2(x), l2) <= 2);
+  }
+  for (double x : {0.999, 1.0001, 1.5, 0.75, 1e-310, 5e-324, 1.7976931348623157e308}) {
+    REQUIRE(std::fabs(portable_log(x) - std::log(x)) <= 4e-16 * std::max(1.0, std::fabs(std::log(x))));
+    REQUIRE(std::fabs(portable_log2(x) - std::log2(x)) <= 4e-16 * std::max(1.0, std::fabs(std::log2(x))));
+  }
+  for (int e = -1074; e <= 1023; ++e) REQUIRE(portable_log2(std::ldexp(1.0, e)) == static_cast<double>(e));
+  REQUIRE(portable_log(1.0) == 0.0);
+}

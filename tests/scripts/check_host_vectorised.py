@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Reads the generated code of the host backend's passes (src/host_passes.cpp's object) and fails
+unless the compiler vectorised them: each AVX2 entry point's code must hold 256-bit vector
+arithmetic — pass 2 (apply) packed-single fused multiply-adds, square roots and divisions, pass 1
+(measure) packed-double fused multiply-adds — and the baseline entry points none of AVX's
+instructions (they run on any x86-64). Skipped (exit 77) where the library has no AVX2 variant
+(not x86-64) or objdump is missing.
+
+usage: check_host_vectorised.py OBJECT..."""
+import re
+import shutil
+import subprocess
+import sys
+
+
+def functions(text):
+    out, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if m:
+            name = m.group(1)
+            out[name] = []
+        elif name is not None and "\t" in line:
+            out[name].append(line.split("\t")[-1])
+    return out
+
+
+def main():
+    objects = [o for o in sys.argv[1:] if o.endswith("host_passes.cpp.o") or o.endswith("host_passes.cpp.obj")]
+    if not objects or not shutil.which("objdump"):
+        print("SKIPPED: no host_passes object or no objdump")
+        sys.exit(77)
+    text = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", objects[0]], check=True,
+                          capture_output=True, text=True).stdout
+    funcs = functions(text)
+    avx2 = {n: body for n, body in funcs.items() if re.search(r"avx2_(apply|measure)_(f16|bf16|f32)\b", n)}
+    if not avx2:
+        print("SKIPPED: this build has no AVX2 variant")
+        sys.exit(77)
+    failed = []
+    for kind in ("apply", "measure"):
+        for fmt in ("f16", "bf16", "f32"):
+            name = next((n for n in avx2 if re.search(r"avx2_%s_%s\b" % (kind, fmt), n)), None)
+            body = avx2.get(name, [])
+            ymm = sum("ymm" in i for i in body)
+            need = [r"vfmadd\w*ps.*ymm", r"vsqrtps.*ymm", r"vdivps.*ymm"] if kind == "apply" else [r"vfmadd\w*pd.*ymm"]
+            missing = [p for p in need if not any(re.search(p, i) for i in body)]
+            print("%s, %s gradients: %d instructions, %d on 256-bit registers%s" % (
+                "pass 2" if kind == "apply" else "pass 1", fmt, len(body), ymm,
+                "" if not missing else "; missing " + ", ".join(missing)))
+            if ymm < 50 or missing:
+                failed.append("%s %s" % (kind, fmt))
+    for n, body in funcs.items():
+        if re.search(r"baseline_(apply|measure)_(f16|bf16|f32)\b", n) and any("ymm" in i or i.startswith("v") for i in body):
+            failed.append("baseline %s uses AVX" % n)
+    if failed:
+        sys.exit("not vectorised as required: " + "; ".join(failed))
+    print("the host passes are vectorised")
+
+
+if __name__ == "__main__":
+    main()
