@@ -29,7 +29,7 @@ written (8; a remainder 4, and the model copy it is half of read, 2; without a m
 copy, the weight, read, 2), each moment read and written
 (8, or 4 in bf16), the model copy written (2; none counted for fp32 gradients, whose parameters
 are usually their own masters, which gives the smaller budget). --pass2-within-budget fails
-unless every loop is within its budget, but for block8's vector block loops, which are over
+unless every loop is within its budget, but for block8's vector block loops, most of which are over
 theirs (issue-bound) and must stay under BLOCK8_CEILING. bench/RESULTS.md has the counts.
 
 With --base REV the kernels of git revision REV are counted too, for a before/after table. With
@@ -124,12 +124,13 @@ MASTER_BYTES = {"f32": 8, "bf16_remainder": 4 + 2, "none": 2}
 MOMENTS = {"0": ("f32", 8), "1": ("bf16", 4), "2": ("block8", 2)}
 
 
-# The block8 loops (a warp per block of 8-bit moments) are not within their bandwidth budgets:
-# 117-156 SASS instructions per element against budgets of 70-112 (bench/RESULTS.md). Decoding, AdamW with its IEEE square root and
+# The block8 loops (a warp per block of 8-bit moments) are not within their bandwidth budgets but
+# for fp32 masters with an fp16 model to nearest: 109-145 SASS instructions per element against
+# budgets of 70-112 (bench/RESULTS.md). Decoding, AdamW with its IEEE square root and
 # division, the master's codec and two 8-bit encodes with their block reductions issue more than the
 # 10-16 bytes an element moves allow, so those steps are bound by instruction issue, not memory.
 # The CTest holds every block loop under this ceiling, so that they can only get faster.
-BLOCK8_CEILING = 160
+BLOCK8_CEILING = 150
 
 
 def pass2_format(name):
