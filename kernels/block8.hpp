@@ -206,7 +206,11 @@ inline constexpr Codec8 kUnsignedCodec8 = make_codec8(false);
 /// The guess table entry of |x|: its exponent and top fraction bits, |x| first clamped to the
 /// table's range (below 2^-23 the first entry, from 2^1 the last; NaN, never encoded, the first).
 HALFSTEP_HD inline int guess_entry8(float x) {
-  const float y = fminf(fmaxf(fabsf(x), 0x1p-23f), 0x1.fffffep0f);
+  // Compares and selects (a NaN fails the first and takes the lowest), which vectorise where
+  // fmaxf's NaN rule would not.
+  const float a = fabsf(x);
+  const float low = a >= 0x1p-23f ? a : 0x1p-23f;
+  const float y = low <= 0x1.fffffep0f ? low : 0x1.fffffep0f;
   return static_cast<int>(bits_of(y) >> (23 - kGuessBits8)) - (kGuessLowest8 << kGuessBits8);
 }
 
@@ -237,10 +241,14 @@ HALFSTEP_HD inline std::uint8_t encode8_as(const Codec8& codec, float x, bool st
     const Guess8 g = codec.nearest[e];
     p = g.index + (y >= g.next ? 1 : 0);  // the entry holds at most one threshold past its guess
   }
-  if (positive && p == 0) p = 1;
-  if (!kSigned) return static_cast<std::uint8_t>(p);
-  if (x < 0.0f) return static_cast<std::uint8_t>(kSignedZero8 - (p < kSignedZero8 ? p : kSignedZero8));
-  return static_cast<std::uint8_t>(kSignedZero8 + p);
+  // Selects, no branch: the host's loops of it vectorise.
+  p = positive & (p == 0) ? 1 : p;
+  if constexpr (!kSigned) {
+    return static_cast<std::uint8_t>(p);
+  } else {
+    const int negative = kSignedZero8 - (p < kSignedZero8 ? p : kSignedZero8);
+    return static_cast<std::uint8_t>(x < 0.0f ? negative : kSignedZero8 + p);
+  }
 }
 HALFSTEP_HD inline std::uint8_t encode8(const Codec8& codec, float x, bool stochastic, std::uint32_t random, bool positive) {
   return codec.is_signed ? encode8_as<true>(codec, x, stochastic, random, positive)
@@ -268,16 +276,20 @@ HALFSTEP_HD inline float decode8(const float* map, std::uint8_t code, float scal
 /// keeps what it holds. Pass 2 computes the same codes a warp per block.
 HALFSTEP_HD inline bool encode_block8(const Codec8& codec, const float* x, int n, bool stochastic, const std::uint32_t* random,
                                       int shift, bool never_zero, std::uint8_t* codes, float& scale) {
-  float absmax = 0.0f;
+  // The largest magnitude as the largest pattern of |x|: non-negative fp32 values order as their
+  // patterns do, so it is the value a comparison of magnitudes finds, and an inf or NaN, whose
+  // patterns lie above every finite one, shows as a largest pattern from 0x7F800000 up (one
+  // integer maximum: a loop of it vectorises).
+  std::uint32_t largest = 0;
   for (int i = 0; i < n; ++i) {
-    if (!finite32(x[i])) return false;
-    const float a = x[i] < 0.0f ? -x[i] : x[i];
-    absmax = a > absmax ? a : absmax;
+    const std::uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+    largest = a > largest ? a : largest;
   }
-  scale = scale8(absmax);
+  if (largest >= 0x7F800000u) return false;
+  scale = scale8(float_of(largest));
   const float inverse = inverse8(scale);
   for (int i = 0; i < n; ++i) {
-    codes[i] = encode8(codec, x[i] * inverse, stochastic, stochastic ? random[i] >> shift : 0u, never_zero && x[i] > 0.0f);
+    codes[i] = encode8(codec, x[i] * inverse, stochastic, stochastic ? random[i] >> shift : 0u, never_zero & (x[i] > 0.0f));
   }
   return true;
 }
@@ -374,21 +386,21 @@ HALFSTEP_HD inline bool update_block8(const Codec8& exp_avg_codec, const Codec8&
   typename Master::Stored ps_new[kBlock8];
   std::uint16_t model_new[kBlock8];
   float m[kBlock8] = {}, root[kBlock8] = {};
-  bool ok = true;
+  int ok = 1;  // an int, not a bool: the host's compiler vectorises an int reduction
   for (int i = 0; i < n; ++i) {
     ps_new[i] = typename Master::Stored{};
     model_new[i] = 0;
     // Only the buffers the format has are read: no master without one, no model copy unless it
     // is written or read, no random bits to nearest.
     const typename Master::Stored stored = Master::kStored ? ps[i] : typename Master::Stored{};
-    const std::uint16_t weight = with_model ? model[i] : std::uint16_t{0};
+    const std::uint16_t weight = Master::kReadsModel || with_model ? model[i] : std::uint16_t{0};
     ok = update_element8<Master, kDraw>(exp_avg_codec.map.value, exp_avg_sq_codec.map.value, stored, weight, m_codes[i],
                                         v_codes[i], m_scale,
                                         v_scale, g[i], with_model, kDraw ? random[i] : 0u, k, ps_new[i], model_new[i],
-                                        m[i], root[i]) &&
+                                        m[i], root[i]) &
          ok;
   }
-  if (!ok) return true;
+  if (ok == 0) return true;
   std::uint8_t mc[kBlock8], vc[kBlock8];
   float ms = 0.0f, vs = 0.0f;
   encode_block8(exp_avg_codec, m, n, false, random, 0, false, mc, ms);

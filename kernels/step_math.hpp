@@ -367,7 +367,8 @@ HALFSTEP_HD inline GroupConsts group_consts(const GroupParams& g, float lr, std:
 /// the kernels are compiled with contraction off (nvcc --fmad=false, the host -ffp-contract=off),
 /// so the GPU, the host backend and the emulated device round alike: bit for bit the same results.
 HALFSTEP_HD inline void adamw_update(float& p, float& m, float& v, float g, const GroupConsts& k) {
-  if (k.classic) g = fmaf(k.l2, p, g);  // classic L2: the decay joins the gradient
+  const float with_l2 = fmaf(k.l2, p, g);  // classic L2: the decay joins the gradient (computed
+  g = k.classic ? with_l2 : g;             // either way and selected: no branch, no masked load)
   p = p * k.decay;                      // decoupled decay shrinks the weight (decay is 1 otherwise)
   m = fmaf(k.beta1, m, k.one_minus_beta1 * g);        // first moment
   v = fmaf(k.beta2, v, (k.one_minus_beta2 * g) * g);  // second moment; (1 - beta2)·g first, so
