@@ -59,7 +59,7 @@ def test_config_takes_the_librarys_option_names():
     assert halfstep.config("bfloat16").model_dtype == halfstep.config(halfstep.BF16).model_dtype == halfstep.BF16
     with pytest.raises(ValueError, match="dtype must be 'float16', 'bfloat16' or 'float32', got 'int8'"):
         halfstep.config("int8")
-    with pytest.raises(ValueError, match="backend must be 'cuda' or 'reference'"):
+    with pytest.raises(ValueError, match="backend must be 'cuda', 'host' or 'reference'"):
         halfstep.config(backend="cpu")
     bad = [(dict(scaler={"growth_interval": 2.9}), "growth_interval must be an integer, got 2.9"),
            (dict(scaler={"growth_interval": "7"}), "growth_interval must be an integer"),
