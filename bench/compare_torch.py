@@ -13,14 +13,17 @@ Checks, then times:
   2. the loss scale: torch.amp.GradScaler's update (torch._amp_update_scale_) and halfstep's
      scaler on the same overflow schedule give identical scale sequences;
   3. time per step of each pipeline (CUDA events, median), and the ratio.
-Exits non-zero if a check fails. Needs PyTorch with CUDA and a GPU.
+Exits non-zero if a check fails. Needs PyTorch with CUDA and a GPU; --device cpu runs the same on
+CPU tensors (halfstep's host backend against PyTorch's CPU kernels, PyTorch 2.x), where the checks
+are what counts (a CTest runs them) and the times are the CPU's.
 
-usage: compare_torch.py [--lib build/gpu/libhalfstep.so] [--model gpt2-xl|small] [--steps N]"""
+usage: compare_torch.py [--lib build/gpu/libhalfstep.so] [--model gpt2-xl|small] [--steps N] [--device cuda|cpu]"""
 import argparse
 import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -52,16 +55,28 @@ def shapes(name):
 
 
 LR, BETA1, BETA2, EPS, WD, MAX_NORM = 1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0
+DEVICE = "cuda"  # --device
+M_START, V_START, G_MAX = 1e-3, 1e-6, 0.01  # |m|, v and the unscaled |g| are at most these (below)
+
+
+def synchronize():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def stream_of():
+    """The stream argument of halfstep's step: PyTorch's current stream on a GPU, none on the CPU."""
+    return torch.cuda.current_stream().cuda_stream if DEVICE == "cuda" else 0
 
 
 class State:
     """Masters, moments, fp16 model copies and fp16 gradients for one pipeline."""
 
     def __init__(self, sizes, gen):
-        dev = "cuda"
+        dev = DEVICE
         self.master = [torch.empty(n, device=dev).uniform_(-1, 1, generator=gen) for n in sizes]
-        self.m = [torch.empty(n, device=dev).uniform_(-1e-3, 1e-3, generator=gen) for n in sizes]
-        self.v = [torch.empty(n, device=dev).uniform_(1e-8, 1e-6, generator=gen) for n in sizes]
+        self.m = [torch.empty(n, device=dev).uniform_(-M_START, M_START, generator=gen) for n in sizes]
+        self.v = [torch.empty(n, device=dev).uniform_(1e-8, V_START, generator=gen) for n in sizes]
         self.model = [p.half() for p in self.master]
 
     def clone(self):
@@ -74,10 +89,10 @@ class State:
 
 
 def fill_grads(grads, scale, gen):
-    for g in grads:  # finite, never zero: sign · 2^U(-8, 0) · 0.01 · scale
-        mag = torch.exp2(torch.empty(g.numel(), device="cuda").uniform_(-8, 0, generator=gen))
-        sign = torch.where(torch.rand(g.numel(), device="cuda", generator=gen) < 0.5, -1.0, 1.0)
-        g.copy_((sign * mag * 0.01 * scale).half())
+    for g in grads:  # finite, never zero: sign · 2^U(-8, 0) · G_MAX · scale
+        mag = torch.exp2(torch.empty(g.numel(), device=DEVICE).uniform_(-8, 0, generator=gen))
+        sign = torch.where(torch.rand(g.numel(), device=DEVICE, generator=gen) < 0.5, -1.0, 1.0)
+        g.copy_((sign * mag * G_MAX * scale).half())
 
 
 class TorchPipeline:
@@ -92,11 +107,13 @@ class TorchPipeline:
                                      weight_decay=WD, fused=True)
         for p, m, v in zip(self.params, state.m, state.v):  # start from the shared moments
             st = self.opt.state[p]
-            st["step"] = torch.tensor(0.0, device="cuda")
+            st["step"] = torch.tensor(0.0, device=DEVICE)
             st["exp_avg"] = m
             st["exp_avg_sq"] = v
-        self.found_inf = torch.zeros(1, device="cuda")
-        self.inv_scale = torch.ones(1, device="cuda")
+        # Zero-dimensional, as GradScaler makes them: the fused step subtracts found_inf from each
+        # zero-dimensional step count in place (PyTorch 2.11 refuses a shape [1] there).
+        self.found_inf = torch.zeros((), device=DEVICE)
+        self.inv_scale = torch.ones((), device=DEVICE)
 
     def step(self, scale):
         self.inv_scale.fill_(1.0 / scale)
@@ -115,8 +132,8 @@ def make_halfstep(hs, state, grads16, scale):
     tensors = [dict(master=p.data_ptr(), grad=g.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(),
                     model=md.data_ptr(), numel=p.numel(), group=0)
                for p, g, m, v, md in zip(state.master, grads16, state.m, state.v, state.model)]
-    cfg = hs.config(max_grad_norm=MAX_NORM, scaler=dict(init_scale=scale, min_scale=scale, max_scale=scale,
-                                                        growth_interval=2**31 - 1))
+    cfg = hs.config(max_grad_norm=MAX_NORM, backend=DEVICE if DEVICE == "cuda" else "host",
+                    scaler=dict(init_scale=scale, min_scale=scale, max_scale=scale, growth_interval=2**31 - 1))
     group = hs.group(lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD)
     return hs.Optimizer(tensors, [group], cfg)
 
@@ -132,15 +149,20 @@ def check_agreement(hs, sizes, steps, inject_at):
     <= lr·|m/sqrt(v)| by at most d times it, m and v carry it on for ~1/(1 - beta1) = 10 steps,
     and each step's stored master rounds once more on either side. So after k applied steps:
         |p_torch - p_halfstep| <= k·(10·(dc + 20u)·lr·R + 2 ulp(p)),   R = max|m_hat/sqrt(v_hat)|,
-    with R <= 1/sqrt(1 - beta2) ~ 31.6 for Adam; moments within a relative 10·k·(dc + 20u)."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    with R <= 1/sqrt(1 - beta2) ~ 31.6 for Adam. The moments: each step's terms beta1·m and
+    (1 - beta1)·g (beta2·v and (1 - beta2)·g^2) carry those relative errors, the earlier ones shrunk
+    by beta1 (beta2) a step, so after k steps |dm| <= 10·k·(dc + 20u)·(|m| + A), A the largest
+    |m| or |g| any step saw, here at most M_START + G_MAX (m is a weighted mean of its start and the
+    gradients: it may cancel to near zero, where its own size bounds nothing); v adds positive terms
+    only, so |dv| <= 10·k·(2dc + 20u)·|v| (g^2 doubles the gradient's relative difference)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
     scale = 1024.0
     start = State(sizes, gen)
-    grads16 = [torch.empty(n, device="cuda", dtype=torch.half) for n in sizes]
+    grads16 = [torch.empty(n, device=DEVICE, dtype=torch.half) for n in sizes]
     a, b = start.clone(), start.clone()
     torch_side = TorchPipeline(a, grads16)
     opt = make_halfstep(hs, b, grads16, scale)
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = stream_of()
     ok = True
     applied = 0
     for k in range(steps):
@@ -149,7 +171,7 @@ def check_agreement(hs, sizes, steps, inject_at):
             grads16[len(grads16) // 2].view(-1)[k % max(grads16[len(grads16) // 2].numel(), 1)] = math.inf
         torch_side.step(scale)
         opt.step(stream)
-        torch.cuda.synchronize()
+        synchronize()
         skipped_torch = bool(torch_side.found_inf.item() > 0)
         skipped_hs = opt.last_report()["outcome"] == "skipped_overflow"
         same = skipped_torch == skipped_hs == (k in inject_at)
@@ -168,8 +190,8 @@ def check_agreement(hs, sizes, steps, inject_at):
         bound_p = applied * (10 * (dc + 20 * u) * LR * R + 2 * ulp)
         worst_p = max(worst_p, float(torch.max(torch.abs(pa - pb) / bound_p)))
         rel = 10 * applied * (dc + 20 * u)
-        worst_m = max(worst_m, float(torch.max(torch.abs(ma - mb) / (rel * torch.abs(mb) + 1e-30))),
-                      float(torch.max(torch.abs(va - vb) / (rel * torch.abs(vb) + 1e-30))))
+        worst_m = max(worst_m, float(torch.max(torch.abs(ma - mb) / (rel * (torch.abs(mb) + M_START + G_MAX)))),
+                      float(torch.max(torch.abs(va - vb) / (10 * applied * (2 * dc + 20 * u) * torch.abs(vb)))))
     print(f"  skip decisions identical on {steps} steps ({len(inject_at)} injected overflows): {ok}")
     print(f"  masters: largest |difference| / bound = {worst_p:.3f}; moments: {worst_m:.3f}")
     opt.close()
@@ -180,25 +202,26 @@ def check_scaler(hs):
     """torch.amp.GradScaler's update rule and halfstep's scaler on one overflow schedule."""
     init, growth, backoff, interval = 2.0 ** 10, 2.0, 0.5, 3
     schedule = [k % 7 == 3 or k in (20, 21, 22) for k in range(60)]
-    scale = torch.full((1,), init, device="cuda")
-    tracker = torch.zeros(1, device="cuda", dtype=torch.int32)
+    scale = torch.full((1,), init, device=DEVICE)
+    tracker = torch.zeros(1, device=DEVICE, dtype=torch.int32)
     torch_scales = []
     for overflow in schedule:
-        found = torch.full((1,), 1.0 if overflow else 0.0, device="cuda")
+        found = torch.full((1,), 1.0 if overflow else 0.0, device=DEVICE)
         torch._amp_update_scale_(scale, tracker, found, growth, backoff, interval)
         torch_scales.append(float(scale.item()))
     # halfstep: a one-element tensor whose gradient is inf on the overflow steps.
-    p, m, v = (torch.zeros(1, device="cuda") for _ in range(3))
-    g = torch.zeros(1, device="cuda", dtype=torch.half)
-    cfg = hs.config(scaler=dict(init_scale=init, growth_factor=growth, backoff_factor=backoff,
+    p, m, v = (torch.zeros(1, device=DEVICE) for _ in range(3))
+    g = torch.zeros(1, device=DEVICE, dtype=torch.half)
+    cfg = hs.config(backend=DEVICE if DEVICE == "cuda" else "host",
+                    scaler=dict(init_scale=init, growth_factor=growth, backoff_factor=backoff,
                                 growth_interval=interval, min_scale=1.0, max_scale=2.0 ** 24))
     opt = hs.Optimizer([dict(master=p.data_ptr(), grad=g.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(),
                              model=0, numel=1, group=0)], [hs.group()], cfg)
     ours = []
     for overflow in schedule:
         g.fill_(math.inf if overflow else 1.0)
-        torch.cuda.synchronize()
-        opt.step(torch.cuda.current_stream().cuda_stream)
+        synchronize()
+        opt.step(stream_of())
         ours.append(opt.loss_scale())
     opt.close()
     same = ours == torch_scales
@@ -208,6 +231,15 @@ def check_scaler(hs):
 
 
 def median_ms(fn, repeats):
+    if DEVICE != "cuda":  # the CPU: a host clock (each step returns when it is done)
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         fn()
@@ -228,32 +260,37 @@ def main():
     ap.add_argument("--model", default="gpt2-xl", choices=["gpt2-xl", "small"])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("SKIPPED: PyTorch sees no CUDA device")
         return 77
     hs = import_halfstep(args.lib)
     sizes = shapes(args.model)
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "the CPU (halfstep's host backend)"
     print(f"compare_torch: {args.model}, {len(sizes)} tensors, {sum(sizes) / 1e9:.3f}e9 parameters, "
-          f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+          f"torch {torch.__version__}, {where}")
     print("1. agreement (small parameter set):")
     ok = check_agreement(hs, shapes("small"), args.steps, inject_at={3, 7})
     print("2. loss scale against torch.amp.GradScaler's update:")
     ok &= check_scaler(hs)
 
     print(f"3. time per step ({args.model}):")
-    gen = torch.Generator(device="cuda").manual_seed(2)
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
     scale = 1024.0
-    grads16 = [torch.empty(n, device="cuda", dtype=torch.half) for n in sizes]
+    grads16 = [torch.empty(n, device=DEVICE, dtype=torch.half) for n in sizes]
     fill_grads(grads16, scale, gen)
     state = State(sizes, gen)
     torch_side = TorchPipeline(state, grads16)
     t_torch = median_ms(lambda: torch_side.step(scale), args.repeats)
     del torch_side, state
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     state = State(sizes, gen)
     opt = make_halfstep(hs, state, grads16, scale)
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = stream_of()
     t_hs = median_ms(lambda: opt.step(stream), args.repeats)
     applied = opt.last_report()["outcome"] == "applied"
     opt.close()
