@@ -68,13 +68,14 @@ struct Workload {
   DType grad;
   bool clip;
   halfstep::StateFormat state{};
+  std::int64_t row = 0;  // elements per row of every tensor (ParamTensor::row); 0: one row
   std::string key() const {
     std::string k = name + "/" + halfstep::dtype_name(grad) + (clip ? "/clip" : "/noclip");
     if (state.master != halfstep::MasterFormat::f32 || state.exp_avg != halfstep::MomentFormat::f32 ||
         state.exp_avg_sq != halfstep::MomentFormat::f32) {
       k += std::string("/") + halfstep::master_format_name(state.master) + "+" +
            halfstep::moment_format_name(state.exp_avg) + "/" + halfstep::moment_format_name(state.exp_avg_sq);
-      if (state.exp_avg == halfstep::MomentFormat::bf16 || state.exp_avg_sq == halfstep::MomentFormat::bf16 ||
+      if (state.exp_avg != halfstep::MomentFormat::f32 || state.exp_avg_sq != halfstep::MomentFormat::f32 ||
           state.master == halfstep::MasterFormat::none) {
         k += std::string("/") + halfstep::rounding_name(state.rounding);
       }
@@ -117,6 +118,9 @@ struct Buffers {
   std::int64_t total = 0;
   void *master = nullptr, *m = nullptr, *v = nullptr;
   void *grad = nullptr, *model = nullptr;
+  // block8 moments: each tensor's block scales, one after another (moment_blocks), for each moment.
+  std::vector<std::int64_t> scale_offset;
+  float *m_scale = nullptr, *v_scale = nullptr;
   std::array<halfstep::SlotLayout, halfstep::kSlotCount> slots;
 
   static std::int64_t padded_total(const std::vector<std::int64_t>& sizes) {
@@ -155,9 +159,35 @@ struct Buffers {
       CHECK_CUDA(cudaMemsetAsync(v, 0, bytes(halfstep::Slot::exp_avg_sq), g_stream));
     }
     bench::fill_grads(grad, w.grad, total, w.grad == DType::f16 ? 1024.0f : 1.0f, 4, g_stream);
+    if (w.state.exp_avg == halfstep::MomentFormat::block8) {
+      // Codes of 0 with scales of 0 are moments of 0, as a fresh optimizer holds them. Every
+      // tensor of a block8 workload must hold codes: the buffers above hold one byte a moment.
+      const halfstep::StepConfig config = w.config();
+      std::int64_t blocks = 0;
+      for (std::size_t t = 0; t < w.sizes.size(); ++t) {
+        halfstep::ParamTensor p;
+        p.numel = w.sizes[t];
+        p.row = w.row;
+        const halfstep::MomentBlocks b = halfstep::moment_blocks(config, p);
+        if (!b.quantized) {
+          std::fprintf(stderr, "halfstep-bench: workload %s has a tensor of %lld elements without blocks\n",
+                       w.key().c_str(), static_cast<long long>(p.numel));
+          std::exit(1);
+        }
+        scale_offset.push_back(blocks);
+        blocks += b.blocks;
+      }
+      const auto scale_bytes = static_cast<std::size_t>(blocks) * sizeof(float);
+      CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&m_scale), scale_bytes));
+      CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&v_scale), scale_bytes));
+      CHECK_CUDA(cudaMemsetAsync(m_scale, 0, scale_bytes, g_stream));
+      CHECK_CUDA(cudaMemsetAsync(v_scale, 0, scale_bytes, g_stream));
+    }
     CHECK_CUDA(cudaStreamSynchronize(g_stream));
   }
   ~Buffers() {
+    cudaFree(m_scale);
+    cudaFree(v_scale);
     cudaFree(master);
     cudaFree(m);
     cudaFree(v);
@@ -177,6 +207,11 @@ struct Buffers {
         halfstep::set_slot_pointer(p, s.slot, s.present ? base + static_cast<std::size_t>(offset[t]) * s.element_bytes : nullptr);
       }
       p.numel = w.sizes[t];
+      p.row = w.row;
+      if (m_scale != nullptr) {
+        p.exp_avg_scale = m_scale + scale_offset[t];
+        p.exp_avg_sq_scale = v_scale + scale_offset[t];
+      }
       out.push_back(p);
     }
     return out;
@@ -321,6 +356,11 @@ void register_all() {
     lean.state.exp_avg = lean.state.exp_avg_sq = halfstep::MomentFormat::bf16;
     steps.push_back(lean);
     passes.push_back(lean);
+    Workload block8 = single(1 << 12, "2^12", DType::bf16, true);  // no master, 8-bit moments
+    block8.state.master = halfstep::MasterFormat::none;
+    block8.state.exp_avg = block8.state.exp_avg_sq = halfstep::MomentFormat::block8;
+    steps.push_back(block8);
+    passes.push_back(block8);
   } else {
     std::vector<std::pair<std::int64_t, std::string>> sizes;
     if (g_options.quick) {
@@ -344,6 +384,7 @@ void register_all() {
     }
     passes.push_back(single(1 << 26, "2^26", DType::f16, true));
     passes.push_back({"GPT-2 1.5B (580 tensors)", gpt2_xl(), DType::f16, true});
+    passes.push_back({"10000 tiny tensors", std::vector<std::int64_t>(10000, 100), DType::f16, true});
     // The state formats (bf16 gradients and model copy): the step and pass 2 alone, per format.
     for (const auto& [master, moments, rounding] :
          std::vector<std::tuple<halfstep::MasterFormat, halfstep::MomentFormat, halfstep::Rounding>>{
@@ -351,14 +392,20 @@ void register_all() {
              {halfstep::MasterFormat::f32, halfstep::MomentFormat::bf16, halfstep::Rounding::nearest},
              {halfstep::MasterFormat::bf16_remainder, halfstep::MomentFormat::f32, halfstep::Rounding::stochastic},
              {halfstep::MasterFormat::bf16_remainder, halfstep::MomentFormat::bf16, halfstep::Rounding::stochastic},
-             {halfstep::MasterFormat::none, halfstep::MomentFormat::bf16, halfstep::Rounding::stochastic}}) {
+             {halfstep::MasterFormat::none, halfstep::MomentFormat::bf16, halfstep::Rounding::stochastic},
+             {halfstep::MasterFormat::f32, halfstep::MomentFormat::block8, halfstep::Rounding::stochastic},
+             {halfstep::MasterFormat::bf16_remainder, halfstep::MomentFormat::block8, halfstep::Rounding::stochastic},
+             {halfstep::MasterFormat::none, halfstep::MomentFormat::block8, halfstep::Rounding::stochastic},
+             {halfstep::MasterFormat::none, halfstep::MomentFormat::block8, halfstep::Rounding::nearest}}) {
       Workload w = single(1 << 26, "2^26", DType::bf16, true);
       w.state.master = master;
       w.state.exp_avg = w.state.exp_avg_sq = moments;
       w.state.rounding = rounding;
+      // block8: a 16384 x 4096 matrix, 16 blocks of 256 a row (every other format ignores rows).
+      if (moments == halfstep::MomentFormat::block8) w.row = 4096;
       steps.push_back(w);
       passes.push_back(w);
-      if (!g_options.quick) {
+      if (!g_options.quick && moments != halfstep::MomentFormat::block8) {
         w.name = "GPT-2 1.5B (580 tensors)";
         w.sizes = gpt2_xl();
         steps.push_back(w);
