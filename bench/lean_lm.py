@@ -2,7 +2,7 @@
 """The accuracy of halfstep's state formats on a real small language model: a GPT-2-style
 transformer built from a configuration (transformers' GPT2Config, random weights, about 3.3M
 parameters), trained byte-level on the Python standard library's own sources (every machine with
-Python has them) for a few hundred steps on the CPU.
+Python has them) for a few hundred steps on the CPU (or, with --device cuda, on a GPU).
 
 Runs, the same seed (weights, batches) unless noted:
 - "torch fp32 AdamW, seed S": torch.optim.AdamW on an fp32 model under bf16 autocast with
@@ -19,7 +19,7 @@ batches for every run). Writes RESULTS_DIR/lean_lm.json; with matplotlib, the cu
 RESULTS_DIR/lean_lm.png (--plot-only redraws them from the JSON).
 
 usage: bench/lean_lm.py [--steps 300] [--out DIR] [--runs "NAME;..."] [--held-out-batches 16] [--resume]
-                        [--plot-only]
+                        [--device cpu|cuda] [--plot-only]
 """
 
 import glob
@@ -68,19 +68,20 @@ def loss_of(torch, model, x, y):
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1))
 
 
-def train(torch, name, spec, steps, train_data, held_data, held_batches=16):
+def train(torch, name, spec, steps, train_data, held_data, held_batches=16, device="cpu"):
     seed = spec.get("seed", 0)
     if spec["kind"] == "torch":
-        model = model_of(torch, seed, torch.float32)
+        model = model_of(torch, seed, torch.float32).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     else:
         from halfstep.torch import FusedAdamW
-        model = model_of(torch, seed, torch.bfloat16)
+        model = model_of(torch, seed, torch.bfloat16).to(device)
         opt = FusedAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, **spec.get("options", {}))
     losses, started = [], time.time()
     for x, y in batches(torch, train_data, 1000 + seed, steps):
+        x, y = x.to(device), y.to(device)
         if spec["kind"] == "torch":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 loss = loss_of(torch, model, x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -93,13 +94,13 @@ def train(torch, name, spec, steps, train_data, held_data, held_batches=16):
     with torch.no_grad():
         held = []
         for x, y in batches(torch, held_data, 7, held_batches):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["kind"] == "torch"):
-                held.append(float(loss_of(torch, model, x, y)))
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=spec["kind"] == "torch"):
+                held.append(float(loss_of(torch, model, x.to(device), y.to(device))))
     result = {"losses": losses, "held_out": sum(held) / len(held), "seconds": time.time() - started,
               "final_train": sum(losses[-20:]) / 20,
               "parameters": sum(p.numel() for p in model.parameters())}
     if spec["kind"] == "halfstep":
-        result["weights"] = [p.detach().float().clone() for p in model.parameters()]
+        result["weights"] = [p.detach().float().cpu() for p in model.parameters()]
     print("%-32s held-out loss %.4f  train (last 20) %.4f  %.0f s" % (name, result["held_out"], result["final_train"],
                                                                       result["seconds"]), flush=True)
     return result
@@ -167,6 +168,7 @@ def main():
         ap.add_argument("--held-out-batches", type=int, default=16,
                         help="batches of held-out files the final loss is measured on (default 16)")
         ap.add_argument("--resume", action="store_true", help="keep the runs already in the JSON file; train the rest")
+        ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model and the step run")
     args = benchlib.arguments(__doc__, "lean_lm", 300, extra)
     json_path = args.json
     if benchlib.redraw(args, plot):
@@ -184,13 +186,14 @@ def main():
         wanted = {k: v for k, v in wanted.items() if k in names}
     results = {"steps": args.steps, "config": CONFIG, "batch": BATCH, "context": CONTEXT, "lr": LR,
                "weight_decay": WD, "clip": CLIP, "torch": torch.__version__, "corpus_bytes": len(train_data),
-               "held_out_batches": args.held_out_batches, "runs": {}}
+               "held_out_batches": args.held_out_batches, "device": args.device, "runs": {}}
     if args.resume and os.path.exists(json_path):
         with open(json_path) as f:
             saved = json.load(f)
         same = all(saved.get(k) == results[k] for k in ("steps", "batch", "context", "lr", "weight_decay", "clip",
                                                         "corpus_bytes"))
         same = same and saved.get("held_out_batches", 16) == args.held_out_batches
+        same = same and saved.get("device", "cpu") == args.device
         if not same:
             sys.exit("--resume: %s was written with other settings; remove it or drop --resume" % json_path)
         results = saved
@@ -200,7 +203,7 @@ def main():
         if name in results["runs"]:
             print("%-32s kept from %s" % (name, json_path))
             continue
-        result = train(torch, name, spec, args.steps, train_data, held_data, args.held_out_batches)
+        result = train(torch, name, spec, args.steps, train_data, held_data, args.held_out_batches, args.device)
         if "weights" in result:
             torch.save(result.pop("weights"), os.path.join(weights_dir, name.replace(" ", "_") + ".pt"))
         results["runs"][name] = result
