@@ -145,20 +145,24 @@ def plot(results, path):
     plt = benchlib.pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # a colour per run (the default cycle has 10)
+    fig, ax = plt.subplots(figsize=(12, 5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors + plt.cm.tab20b.colors)  # a colour per run
+    window = max(10, results["steps"] // 40)
     for name, r in results["runs"].items():
         losses = r["losses"]
-        smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(losses))]
         style = ":" if name.startswith("torch") else "-"
         ax.plot(range(1, len(losses) + 1), smooth, style, label="%s (held-out %.3f)" % (name, r["held_out"]))
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte, mean of 10 steps)")
+    ax.set_ylabel("training loss (nats/byte, mean of %d steps)" % window)
     ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
-    ax.set_title("GPT-2-style LM, %.1fM parameters, bytes of the Python standard library" %
-                 (next(iter(results["runs"].values()))["parameters"] / 1e6))
+    where = "on a GPU" if results.get("device", "cpu") != "cpu" else "on the CPU"
+    ax.set_title("GPT-2-style LM, %.1fM parameters, bytes of the Python standard library, %d steps %s" %
+                 (next(iter(results["runs"].values()))["parameters"] / 1e6, results["steps"], where))
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
     benchlib.write_figure(fig, path)
 
 
