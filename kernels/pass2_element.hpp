@@ -31,23 +31,39 @@ HALFSTEP_HD inline void draw(std::uint64_t key, std::int64_t index, std::uint32_
   w = kDraw && F::Master::kRounds ? weight_bits(moments) : 0u;
 }
 
-// One element: decoded, updated by AdamW in fp32, encoded back in place (bf16 moments rounded
-// stochastically with `random`'s halves when kDraw, else to nearest; without a master the weight
-// with `random_w`); an element whose encoded values would not all be finite keeps its old ones
-// (every value is written back, the old or the new: selects, no branch). Returns whether it was
-// kept.
+// One element: decoded, updated by AdamW in fp32 and encoded (bf16 moments rounded stochastically
+// with `random`'s halves when kDraw, else to nearest; without a master the weight with
+// `random_w`) into the *_new values, computed whatever the input (no branch). Returns whether every
+// encoded value is finite, that is whether the element may be written.
+template <class F, bool kDraw>
+HALFSTEP_HD inline bool encode_element(typename F::Master::Stored ps, std::uint16_t model, typename F::M::Stored ms,
+                                       typename F::V::Stored vs, float g, bool with_model, std::uint32_t random,
+                                       std::uint32_t random_w, const GroupConsts& k, typename F::Master::Stored& ps_new,
+                                       std::uint16_t& model_new, typename F::M::Stored& ms_new,
+                                       typename F::V::Stored& vs_new) {
+  float p = F::Master::decode(ps, model), m = F::M::decode(ms), v = F::V::decode(vs);
+  adamw_update(p, m, v, g, k);
+  ps_new = typename F::Master::Stored{};
+  ms_new = typename F::M::Stored{};
+  vs_new = typename F::V::Stored{};
+  model_new = 0;
+  return F::Master::encode(p, with_model, kDraw, random_w, ps_new, model_new) &
+         F::M::encode(m, kDraw, random, ms_new) & F::V::encode(v, kDraw, random >> 16, vs_new);
+}
+
+// One element updated in place: encode_element's values, or the old ones where they would not all
+// be finite (every value is written back, the old or the new: selects, no branch). Returns whether
+// it was kept.
 template <class F, bool kDraw>
 HALFSTEP_HD inline bool update_element(typename F::Master::Stored& ps, std::uint16_t& model, typename F::M::Stored& ms,
                                        typename F::V::Stored& vs, float g, bool with_model, std::uint32_t random,
                                        std::uint32_t random_w, const GroupConsts& k) {
-  float p = F::Master::decode(ps, model), m = F::M::decode(ms), v = F::V::decode(vs);
-  adamw_update(p, m, v, g, k);
-  typename F::Master::Stored ps_new{};
-  typename F::M::Stored ms_new{};
-  typename F::V::Stored vs_new{};
-  std::uint16_t model_new = 0;
-  const bool ok = F::Master::encode(p, with_model, kDraw, random_w, ps_new, model_new) &
-                  F::M::encode(m, kDraw, random, ms_new) & F::V::encode(v, kDraw, random >> 16, vs_new);
+  typename F::Master::Stored ps_new;
+  typename F::M::Stored ms_new;
+  typename F::V::Stored vs_new;
+  std::uint16_t model_new;
+  const bool ok = encode_element<F, kDraw>(ps, model, ms, vs, g, with_model, random, random_w, k, ps_new, model_new,
+                                           ms_new, vs_new);
   ps = ok ? ps_new : ps;
   ms = ok ? ms_new : ms;
   vs = ok ? vs_new : vs;

@@ -17,6 +17,13 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HALFSTEP_HOST_AVX2 1
+#else
+#define HALFSTEP_HOST_AVX2 0
+#endif
+
 #include "pass2_element.hpp"
 #include "step_math.hpp"
 
@@ -74,12 +81,133 @@ inline std::int64_t count_of(double y, double magic) {
   return static_cast<std::int64_t>(double_bits(y + magic) - double_bits(magic));
 }
 
+#if HALFSTEP_HOST_AVX2
+/// What pass 1's loop measures on a chunk: the counts, the largest pattern and the squares' parts.
+struct Measured {
+  std::uint32_t max_all = 0, nonfinite = 0, nonzero = 0, subnormal = 0, outside = 0;
+  std::int64_t sum[3] = {0, 0, 0};
+};
+
+/// Pass 1's loop over `n` bf16 or f32 gradient words in the AVX2 variant, written with intrinsics
+/// (one read of the chunk; the compiler does not add fp64 sums as vectors without reordering
+/// them): the counts and largest pattern measure_chunk's portable loops take, and the squares of
+/// the window's values split into parts. A lane of fp64 accumulators adds one part of every
+/// eighth square, as the kernel's threads add theirs: at most kMaxPerThread of them make an exact
+/// integer in the part's unit (exact_sum.hpp), counted into `sum` every 8 · kMaxPerThread words.
+template <DType kGrad, int kParts>
+__attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* words, int n, const SquareSplit& split,
+                                                                 std::uint32_t normal) {
+  static_assert(kGrad == DType::f32 || kGrad == DType::bf16, "f16 takes the portable loops");
+  constexpr std::uint32_t kMag = kGrad == DType::f32 ? 0x7FFFFFFFu : 0x7FFFu;
+  constexpr std::uint32_t kInf = kGrad == DType::f32 ? 0x7F800000u : 0x7F80u;
+  // Every pattern is below 2^31, so signed 32-bit compares order them.
+  const __m256i mag_mask = _mm256_set1_epi32(static_cast<int>(kMag));
+  const __m256i inf_less1 = _mm256_set1_epi32(static_cast<int>(kInf - 1u)), zero = _mm256_setzero_si256();
+  const __m256i low_less1 = _mm256_set1_epi32(static_cast<int>(split.low - 1u));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(split.high));
+  const __m256i normal_v = _mm256_set1_epi32(static_cast<int>(normal)), ones = _mm256_cmpeq_epi32(zero, zero);
+  const __m256d m0 = _mm256_set1_pd(split.magic[0]), m1 = _mm256_set1_pd(split.magic[1]);
+  double inverse_unit[3] = {0.0, 0.0, 0.0};  // 2^-unit: a part's sum times it is its count
+  for (int k = 0; k < kParts; ++k) inverse_unit[k] = ::ldexp(1.0, -split.unit_log2[k]);
+  // Counts per lane, as negated masks added (at most 2^15 / 8 a lane).
+  __m256i max_v = zero, nonfinite_v = zero, zeros_v = zero, subnormal_v = zero, outside_v = zero;
+  Measured r;
+  int i = 0;
+  for (int g0 = 0; g0 + 8 <= n; g0 = i) {
+    const int g_end = n - g0 < 8 * kMaxPerThread ? n - (n - g0) % 8 : g0 + 8 * kMaxPerThread;
+    __m256d acc[kParts][2];
+    for (int k = 0; k < kParts; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_pd();
+    for (i = g0; i < g_end; i += 8) {
+      __m256i w;
+      if constexpr (kGrad == DType::f32) {
+        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const std::uint32_t*>(words) + i));
+      } else {
+        w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(words) + i)));
+      }
+      const __m256i mag = _mm256_and_si256(w, mag_mask);
+      const __m256i nonfinite = _mm256_cmpgt_epi32(mag, inf_less1);
+      const __m256i is_zero = _mm256_cmpeq_epi32(mag, zero);
+      const __m256i above_low = _mm256_cmpgt_epi32(mag, low_less1);
+      const __m256i below_high = _mm256_cmpgt_epi32(high, mag);
+      max_v = _mm256_max_epu32(max_v, mag);  // inf and NaN lie above every finite pattern
+      nonfinite_v = _mm256_sub_epi32(nonfinite_v, nonfinite);
+      zeros_v = _mm256_sub_epi32(zeros_v, is_zero);
+      subnormal_v = _mm256_sub_epi32(subnormal_v, _mm256_andnot_si256(is_zero, _mm256_cmpgt_epi32(normal_v, mag)));
+      // nonzero below the window, or finite from its top up
+      const __m256i below = _mm256_andnot_si256(_mm256_or_si256(is_zero, above_low), ones);
+      const __m256i above = _mm256_andnot_si256(_mm256_or_si256(below_high, nonfinite), ones);
+      outside_v = _mm256_sub_epi32(outside_v, _mm256_or_si256(below, above));
+      const __m256i in = _mm256_and_si256(above_low, below_high);
+      const __m256i bits = _mm256_and_si256(kGrad == DType::f32 ? mag : _mm256_slli_epi32(mag, 16), in);
+      const __m256 xf = _mm256_castsi256_ps(bits);  // |x| where it is in the window, else 0 (adds 0)
+      const __m256d x[2] = {_mm256_cvtps_pd(_mm256_castps256_ps128(xf)), _mm256_cvtps_pd(_mm256_extractf128_ps(xf, 1))};
+      for (int h = 0; h < 2; ++h) {
+        const __m256d hi = _mm256_sub_pd(_mm256_fmadd_pd(x[h], x[h], m0), m0);  // x² to a multiple of the first split
+        const __m256d rest = _mm256_fmsub_pd(x[h], x[h], hi);                  // x² - hi, exactly
+        acc[0][h] = _mm256_add_pd(acc[0][h], hi);
+        if constexpr (kParts == 2) {
+          acc[1][h] = _mm256_add_pd(acc[1][h], rest);
+        } else {
+          const __m256d mid = _mm256_sub_pd(_mm256_add_pd(rest, m1), m1);  // rest to a multiple of the second
+          acc[1][h] = _mm256_add_pd(acc[1][h], mid);
+          acc[2][h] = _mm256_add_pd(acc[2][h], _mm256_sub_pd(rest, mid));
+        }
+      }
+    }
+    for (int k = 0; k < kParts; ++k) {
+      alignas(32) double lanes[8];
+      _mm256_store_pd(lanes, acc[k][0]);
+      _mm256_store_pd(lanes + 4, acc[k][1]);
+      for (int l = 0; l < 8; ++l) r.sum[k] += static_cast<std::int64_t>(lanes[l] * inverse_unit[k]);  // exact
+    }
+  }
+  alignas(32) std::uint32_t lane[5][8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[0]), max_v);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[1]), nonfinite_v);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[2]), zeros_v);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[3]), subnormal_v);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[4]), outside_v);
+  std::uint32_t zeros = 0;
+  for (int l = 0; l < 8; ++l) {
+    r.max_all = lane[0][l] > r.max_all ? lane[0][l] : r.max_all;
+    r.nonfinite += lane[1][l];
+    zeros += lane[2][l];
+    r.subnormal += lane[3][l];
+    r.outside += lane[4][l];
+  }
+  // The last n % 8 words, one at a time (each square's parts alone are exact integers).
+  for (; i < n; ++i) {
+    const std::uint32_t mag = (kGrad == DType::f32 ? static_cast<const std::uint32_t*>(words)[i]
+                                                   : static_cast<const std::uint16_t*>(words)[i]) & kMag;
+    r.max_all = mag > r.max_all ? mag : r.max_all;
+    r.nonfinite += mag >= kInf ? 1u : 0u;
+    zeros += mag == 0 ? 1u : 0u;
+    r.subnormal += mag != 0 && mag < normal ? 1u : 0u;
+    r.outside += (mag != 0 && mag < split.low) || (mag >= split.high && mag < kInf) ? 1u : 0u;
+    if (mag < split.low || mag >= split.high) continue;
+    const double x = static_cast<double>(float_of(kGrad == DType::f32 ? mag : mag << 16));
+    const double hi = ::fma(x, x, split.magic[0]) - split.magic[0];
+    const double rest = ::fma(x, x, -hi);
+    r.sum[0] += static_cast<std::int64_t>(hi * inverse_unit[0]);
+    if constexpr (kParts == 2) {
+      r.sum[1] += static_cast<std::int64_t>(rest * inverse_unit[1]);
+    } else {
+      const double mid = (rest + split.magic[1]) - split.magic[1];
+      r.sum[1] += static_cast<std::int64_t>(mid * inverse_unit[1]);
+      r.sum[2] += static_cast<std::int64_t>((rest - mid) * inverse_unit[2]);
+    }
+  }
+  r.nonzero = static_cast<std::uint32_t>(n) - zeros;
+  return r;
+}
+#endif
+
 // Pass 1 on one chunk: the kernel's split of each square (exact_sum.hpp) into parts at fixed
 // points, each part counted as an integer in its unit and added in 64-bit integers, so the loop
 // is one flat reduction of integers that the compiler may vectorise in any order. Every part of an
 // element in the window is below 2^51 units and a chunk holds at most 2^15 elements, so no sum
 // passes 2^63 (the kernel's block sums have the same bound); the digits are the kernel's.
-template <DType kGrad>
+template <DType kGrad, bool kAvx2>
 inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const ChunkDesc& chunk, ChunkPartial& out,
                           std::uint64_t (&spill)[kSumLimbs], bool& spilled) {
   using P = Pass1Format<kGrad>;
@@ -98,6 +226,20 @@ inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const Ch
   const double c0 = magic[0], c1 = magic[1], c2 = magic[2];
   std::int64_t s0 = 0, s1 = 0, s2 = 0;
   std::uint32_t max_all = 0, nonfinite = 0, nonzero = 0, subnormal = 0, outside = 0;
+#if HALFSTEP_HOST_AVX2
+  if constexpr (kAvx2 && kGrad != DType::f16) {  // one loop, with intrinsics
+    const Measured r = measure_avx2<kGrad, kParts>(words, n, split, normal);
+    max_all = r.max_all;
+    nonfinite = r.nonfinite;
+    nonzero = r.nonzero;
+    subnormal = r.subnormal;
+    outside = r.outside;
+    s0 = r.sum[0];
+    s1 = r.sum[1];
+    s2 = r.sum[2];
+  } else
+#endif
+  {
   // Two loops over the chunk (the second reads it from cache), each of one kind of reduction, so
   // that the compiler vectorises both: the counts and the largest pattern, then the squares.
   for (int i = 0; i < n; ++i) {
@@ -123,6 +265,7 @@ inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const Ch
       s1 += count_of(mid, c1);
       s2 += count_of(rest - mid, c2);
     }
+  }
   }
   std::uint32_t max_bits = max_all;
   if (nonfinite != 0) {  // the largest finite magnitude, read again (rare: the step will be skipped)
@@ -165,17 +308,19 @@ inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const Ch
 /// Elements pass 2 updates at a time (its temporaries stay in L1).
 inline constexpr int kTile = 256;
 
-template <DType kGrad, class F, bool kDraw>
+template <DType kGrad, class F, bool kDraw, bool kWithModel>
 inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
   using PS = typename F::Master::Stored;
   using MS = typename F::M::Stored;
   using VS = typename F::V::Stored;
-  PS* const master = F::Master::kStored ? static_cast<PS*>(tensor.master) + chunk.begin : nullptr;
-  MS* const exp_avg = static_cast<MS*>(tensor.exp_avg) + chunk.begin;
-  VS* const exp_avg_sq = static_cast<VS*>(tensor.exp_avg_sq) + chunk.begin;
-  std::uint16_t* const model = tensor.model != nullptr ? static_cast<std::uint16_t*>(tensor.model) + chunk.begin : nullptr;
+  static_assert(kWithModel || !F::Master::kReadsModel, "a master held in the model copy needs one");
+  // Distinct buffers (validation refuses overlapping ones), so the compiler may keep a vector of
+  // one in registers while storing another.
+  PS* __restrict const master = F::Master::kStored ? static_cast<PS*>(tensor.master) + chunk.begin : nullptr;
+  MS* __restrict const exp_avg = static_cast<MS*>(tensor.exp_avg) + chunk.begin;
+  VS* __restrict const exp_avg_sq = static_cast<VS*>(tensor.exp_avg_sq) + chunk.begin;
+  std::uint16_t* __restrict const model = kWithModel ? static_cast<std::uint16_t*>(tensor.model) + chunk.begin : nullptr;
   const void* const grad = static_cast<const unsigned char*>(tensor.grad) + chunk.begin * (kGrad == DType::f32 ? 4 : 2);
-  const bool with_model = model != nullptr;
   const Decision d = a.decision;
   const GroupConsts k = a.consts[tensor.group];
   const std::uint64_t key = kDraw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
@@ -183,39 +328,50 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
   std::uint64_t held = 0;
   for (int t0 = 0; t0 < chunk.len; t0 += kTile) {
     const int n = chunk.len - t0 < kTile ? chunk.len - t0 : kTile;
-    // Each element's values, the old where it is held, into the tile's temporaries, then stored:
-    // the first loop has no store a compiler could turn back into a branch.
-    PS ps_out[kTile];
-    MS m_out[kTile];
-    VS v_out[kTile];
+    // Every element's new values are stored in place, unconditionally, and its old ones kept in the
+    // tile's temporaries, so that the rare element that is held (an encoded value not finite) gets
+    // them back after the loop. (Stores of "the new or the old value" a compiler may turn into
+    // masked stores, which are slow.) A model copy written from an fp32 master is not read: its
+    // new values wait in the tile and are stored where the element is not held.
+    PS ps_old[kTile];
+    MS m_old[kTile];
+    VS v_old[kTile];
+    std::uint16_t w_old[kTile];
     std::uint16_t w_out[kTile];
     std::uint8_t kept[kTile];
     std::uint32_t tile_held = 0;
     for (int j = 0; j < n; ++j) {
       const int i = t0 + j;
-      PS p = F::Master::kStored ? master[i] : PS{};
-      std::uint16_t w = F::Master::kReadsModel ? model[i] : std::uint16_t{0};
-      MS m = exp_avg[i];
-      VS v = exp_avg_sq[i];
+      const PS p = F::Master::kStored ? master[i] : PS{};
+      const std::uint16_t w = F::Master::kReadsModel ? model[i] : std::uint16_t{0};
+      const MS m = exp_avg[i];
+      const VS v = exp_avg_sq[i];
       std::uint32_t random, random_w;
       draw<F, kDraw>(key, first + i, random, random_w);
-      const bool keep = update_element<F, kDraw>(p, w, m, v, unscale(grad_value<kGrad>(grad, i), d), with_model,
-                                                 random, random_w, k);
-      ps_out[j] = p;
-      m_out[j] = m;
-      v_out[j] = v;
-      w_out[j] = w;
-      kept[j] = keep ? 1 : 0;
-      tile_held += keep ? 1u : 0u;
+      PS p_new;
+      MS m_new;
+      VS v_new;
+      std::uint16_t w_new;
+      const bool ok = encode_element<F, kDraw>(p, w, m, v, unscale(grad_value<kGrad>(grad, i), d), kWithModel, random,
+                                               random_w, k, p_new, w_new, m_new, v_new);
+      if constexpr (F::Master::kStored) {
+        master[i] = p_new;
+        ps_old[j] = p;
+      }
+      exp_avg[i] = m_new;
+      exp_avg_sq[i] = v_new;
+      m_old[j] = m;
+      v_old[j] = v;
+      if constexpr (F::Master::kReadsModel) {
+        model[i] = w_new;
+        w_old[j] = w;
+      } else if constexpr (kWithModel) {
+        w_out[j] = w_new;
+      }
+      kept[j] = ok ? 0 : 1;
+      tile_held += ok ? 0u : 1u;
     }
-    for (int j = 0; j < n; ++j) {
-      if constexpr (F::Master::kStored) master[t0 + j] = ps_out[j];
-      exp_avg[t0 + j] = m_out[j];
-      exp_avg_sq[t0 + j] = v_out[j];
-      if constexpr (F::Master::kReadsModel) model[t0 + j] = w_out[j];  // such formats always have a model copy
-    }
-    if (!F::Master::kReadsModel && with_model) {
-      // Written from the master: a held element keeps its model copy as it is (rare).
+    if constexpr (!F::Master::kReadsModel && kWithModel) {
       if (tile_held == 0) {
         for (int j = 0; j < n; ++j) model[t0 + j] = w_out[j];
       } else {
@@ -224,9 +380,31 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
         }
       }
     }
+    if (tile_held != 0) {  // rare: the held elements' old values back
+      for (int j = 0; j < n; ++j) {
+        if (kept[j] != 0) {
+          if constexpr (F::Master::kStored) master[t0 + j] = ps_old[j];
+          exp_avg[t0 + j] = m_old[j];
+          exp_avg_sq[t0 + j] = v_old[j];
+          if constexpr (F::Master::kReadsModel) model[t0 + j] = w_old[j];
+        }
+      }
+    }
     held += tile_held;
   }
   return held;
+}
+
+/// apply_elements with the model copy's presence known to the compiler: without one nothing of it
+/// is computed (fp32 parameters that are their own masters).
+template <DType kGrad, class F, bool kDraw>
+inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
+  if constexpr (F::Master::kReadsModel) {
+    return apply_elements<kGrad, F, kDraw, true>(a, tensor, chunk);
+  } else {
+    return tensor.model != nullptr ? apply_elements<kGrad, F, kDraw, true>(a, tensor, chunk)
+                                   : apply_elements<kGrad, F, kDraw, false>(a, tensor, chunk);
+  }
 }
 
 /// Pass 2 over the blocks of a tensor with block8 moments that start in the chunk (the last may
@@ -322,15 +500,15 @@ inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, co
 #define HALFSTEP_HOST_VARIANT(NAME, ATTRIBUTES)                                                              \
   ATTRIBUTES void NAME##_measure_f16(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c,             \
                                      ChunkPartial& out, std::uint64_t (&spill)[kSumLimbs], bool& spilled) {  \
-    measure_chunk<DType::f16>(a, t, c, out, spill, spilled);                                                  \
+    measure_chunk<DType::f16, NAME##_is_avx2>(a, t, c, out, spill, spilled);                                                  \
   }                                                                                                           \
   ATTRIBUTES void NAME##_measure_bf16(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c,            \
                                       ChunkPartial& out, std::uint64_t (&spill)[kSumLimbs], bool& spilled) { \
-    measure_chunk<DType::bf16>(a, t, c, out, spill, spilled);                                                 \
+    measure_chunk<DType::bf16, NAME##_is_avx2>(a, t, c, out, spill, spilled);                                                 \
   }                                                                                                           \
   ATTRIBUTES void NAME##_measure_f32(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c,             \
                                      ChunkPartial& out, std::uint64_t (&spill)[kSumLimbs], bool& spilled) {  \
-    measure_chunk<DType::f32>(a, t, c, out, spill, spilled);                                                  \
+    measure_chunk<DType::f32, NAME##_is_avx2>(a, t, c, out, spill, spilled);                                                  \
   }                                                                                                           \
   void NAME##_measure(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c, ChunkPartial& out,         \
                       std::uint64_t (&spill)[kSumLimbs], bool& spilled) {                                     \
@@ -353,8 +531,10 @@ inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, co
     return NAME##_apply_f16(a, t, c);                                                                         \
   }
 
+constexpr bool baseline_is_avx2 = false;
 HALFSTEP_HOST_VARIANT(baseline, __attribute__((flatten)))
-#if defined(__x86_64__) && defined(__GNUC__)
+#if HALFSTEP_HOST_AVX2
+constexpr bool avx2_is_avx2 = true;
 HALFSTEP_HOST_VARIANT(avx2, __attribute__((target("avx2,fma,f16c"), flatten)))
 #endif
 #undef HALFSTEP_HOST_VARIANT
