@@ -1,8 +1,10 @@
-"""What the accuracy scripts in bench/ share: their command line and matplotlib, when it is there."""
+"""What the scripts in bench/ share: their command line, matplotlib when it is there, a host timer."""
 
 import argparse
 import json
 import os
+import statistics
+import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -56,3 +58,16 @@ def write_figure(fig, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print("wrote", path)
+
+
+def median_ms(fn, repeats, warmup=2):
+    """The median of `repeats` calls of fn (each returning when its work is done), in ms by the
+    host clock, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)

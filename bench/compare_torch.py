@@ -23,9 +23,10 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
+
+import benchlib
 
 
 def import_halfstep(lib):
@@ -232,14 +233,7 @@ def check_scaler(hs):
 
 def median_ms(fn, repeats):
     if DEVICE != "cuda":  # the CPU: a host clock (each step returns when it is done)
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
+        return benchlib.median_ms(fn, repeats, warmup=3)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         fn()

@@ -26,24 +26,14 @@ usage: bench/cpu_step.py [--sizes 1e6,1e7,1e8] [--threads 1,2] [--repeats 7] [--
 
 import json
 import os
-import statistics
 import sys
-import time
 
 import benchlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def median_ms(fn, repeats):
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+median_ms = benchlib.median_ms
 
 
 def moved_bytes(halfstep, **config):

@@ -18,6 +18,31 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SHAPES = [(300, 7), (1,), (4097,), (64, 33)]
 
 
+def _step_both(cpu, gpu, cpu_params, gpu_params, grads, injected):
+    """One step of `cpu` and `gpu` on the same gradients, `injected` (tensor, element, value) or
+    None written into them first; returns both reports."""
+    if injected is not None:
+        t, i, value = injected
+        grads[t].view(-1)[i] = value
+    for p, q, g in zip(cpu_params, gpu_params, grads):
+        p.grad = g.clone()
+        q.grad = g.to("cuda")
+    cpu.step()
+    gpu.step()
+    return cpu.last_report(), gpu.last_report()
+
+
+def _assert_same_state(cpu, gpu, cpu_params, gpu_params, step):
+    """Every state entry (masters, moments, codes, block scales) and every parameter, bit for bit."""
+    for x, y in zip(cpu.state_dict()["state"].values(), gpu.state_dict()["state"].values()):
+        assert sorted(x) == sorted(y)
+        for key, value in x.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, y[key].cpu()), (step, key)
+    for p, q in zip(cpu_params, gpu_params):
+        assert torch.equal(p.detach(), q.detach().cpu()), step
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_step_agrees_with_the_cpu_step(dtype):
     # The same start and gradients on both backends: identical decisions, scales and norms (the
@@ -33,27 +58,15 @@ def test_cuda_step_agrees_with_the_cpu_step(dtype):
         scale = float(cpu.loss_scale)
         assert float(gpu.loss_scale) == scale
         _, grads = scaled_grads(SHAPES, dtype, scale, gen, 10.0 ** (-4 + step % 4))
-        if step in inject:
-            t, i = inject[step]
-            grads[t].view(-1)[i] = [math.inf, -math.inf, math.nan][step % 3]
-        for p, q, g in zip(cpu_params, gpu_params, grads):
-            p.grad = g.clone()
-            q.grad = g.to("cuda")
-        cpu.step()
-        gpu.step()
-        a, b = cpu.last_report(), gpu.last_report()
+        injected = inject[step] + ([math.inf, -math.inf, math.nan][step % 3],) if step in inject else None
+        a, b = _step_both(cpu, gpu, cpu_params, gpu_params, grads, injected)
         for key in ("outcome", "reason", "scale_used", "scale_next", "first_nonfinite_tensor", "nonfinite_count",
                     "subnormal_count", "zero_count", "numel", "step", "attempt"):
             assert a[key] == b[key], (step, key, a[key], b[key])
         assert (first_nonfinite(grads) >= 0) == (a["outcome"] != "applied")
         if a["outcome"] == "applied":
             assert a["grad_norm"] == b["grad_norm"], "the exact norm has the same bits on both backends"
-        for x, y in zip(cpu.state_dict()["state"].values(), gpu.state_dict()["state"].values()):
-            for key, value in x.items():
-                if isinstance(value, torch.Tensor):
-                    assert torch.equal(value, y[key].cpu()), (step, key)
-        for p, q in zip(cpu_params, gpu_params):
-            assert torch.equal(p.detach(), q.detach().cpu()), step
+        _assert_same_state(cpu, gpu, cpu_params, gpu_params, step)
     assert int(gpu.applied_steps) == int(cpu.applied_steps) == 24 - len(inject)
 
 
@@ -90,25 +103,12 @@ def test_cuda_state_formats_step_bitwise_like_the_cpu_step(name):
     inject = {3: (0, 0), 7: (2, 2048), 11: (4, 40 * 300 - 1)}
     for step in range(16):
         _, grads = scaled_grads(shapes, bf16, 1.0, gen, 10.0 ** (-3 + step % 3))
-        if step in inject:
-            t, i = inject[step]
-            grads[t].view(-1)[i] = [math.inf, -math.inf, math.nan][step % 3]
-        for p, q, g in zip(cpu_params, gpu_params, grads):
-            p.grad = g.clone()
-            q.grad = g.to("cuda")
-        cpu.step()
-        gpu.step()
-        a, b = cpu.last_report(), gpu.last_report()
+        injected = inject[step] + ([math.inf, -math.inf, math.nan][step % 3],) if step in inject else None
+        a, b = _step_both(cpu, gpu, cpu_params, gpu_params, grads, injected)
         for key in ("outcome", "reason", "grad_norm", "first_nonfinite_tensor", "nonfinite_count", "step"):
             assert a[key] == b[key] or (a[key] != a[key] and b[key] != b[key]), (step, key, a[key], b[key])
         assert (a["outcome"] == "applied") == (step not in inject), step
-        for x, y in zip(cpu.state_dict()["state"].values(), gpu.state_dict()["state"].values()):
-            assert sorted(x) == sorted(y)
-            for key, value in x.items():
-                if isinstance(value, torch.Tensor):
-                    assert torch.equal(value, y[key].cpu()), (step, key)
-        for p, q in zip(cpu_params, gpu_params):
-            assert torch.equal(p.detach(), q.detach().cpu()), step
+        _assert_same_state(cpu, gpu, cpu_params, gpu_params, step)
     if "8-bit" in name:
         assert gpu.state[gpu_params[4]]["exp_avg"].dtype == torch.uint8
         assert gpu.state[gpu_params[0]]["exp_avg"].dtype == torch.float32  # (300, 7): 2100 elements
