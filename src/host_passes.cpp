@@ -81,12 +81,64 @@ inline std::int64_t count_of(double y, double magic) {
   return static_cast<std::int64_t>(double_bits(y + magic) - double_bits(magic));
 }
 
-#if HALFSTEP_HOST_AVX2
-/// What pass 1's loop measures on a chunk: the counts, the largest pattern and the squares' parts.
+/// What pass 1's loops measure on a chunk: the counts, the largest pattern (inf and NaN included)
+/// and the squares' parts of the window's values, each an integer in its unit.
 struct Measured {
   std::uint32_t max_all = 0, nonfinite = 0, nonzero = 0, subnormal = 0, outside = 0;
   std::int64_t sum[3] = {0, 0, 0};
 };
+
+/// Pass 1's loops over `n` gradient words, portable: two loops over the chunk (the second reads
+/// it from cache), each of one kind of reduction, so that the compiler vectorises both: the counts
+/// and the largest pattern, then the squares' parts, each converted to its integer count.
+template <DType kGrad, class Word>
+inline Measured measure_portable(const Word* words, int n, const SquareSplit& split, std::uint32_t normal) {
+  using P = Pass1Format<kGrad>;
+  constexpr int kParts = P::kParts;
+  const std::uint32_t low = split.low, high = split.high;
+  const double m0 = split.magic[0], m1 = split.magic[1];
+  double magic[3] = {0.0, 0.0, 0.0};
+  for (int k = 0; k < kParts; ++k) magic[k] = ::ldexp(1.5, split.unit_log2[k] + 52);
+  const double c0 = magic[0], c1 = magic[1], c2 = magic[2];
+  std::int64_t s0 = 0, s1 = 0, s2 = 0;
+  std::uint32_t max_all = 0, nonfinite = 0, nonzero = 0, subnormal = 0, outside = 0;
+  for (int i = 0; i < n; ++i) {
+    const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
+    nonfinite += mag >= P::kInf ? 1u : 0u;
+    max_all = mag > max_all ? mag : max_all;  // inf and NaN lie above every finite pattern
+    nonzero += (mag + P::kMag) >> P::kMagBits;  // 1 unless mag is 0 (as arithmetic, which vectorises here)
+    subnormal += mag - 1u < normal - 1u ? 1u : 0u;  // 0 < mag < normal: zero wraps past it
+    if constexpr (P::kWindowed) outside += mag - 1u < low - 1u || (mag >= high && mag < P::kInf) ? 1u : 0u;
+  }
+  for (int i = 0; i < n; ++i) {
+    const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
+    // fp16: every finite value is in the window; zero adds nothing
+    const bool summed = P::kWindowed ? mag >= low && mag < high : mag < P::kInf;
+    const double x = summed ? magnitude_double<kGrad>(mag) : 0.0;
+    const double hi = ::fma(x, x, m0) - m0;  // x² rounded to a multiple of the first split point
+    const double rest = ::fma(x, x, -hi);    // x² - hi, exactly
+    s0 += count_of(hi, c0);
+    if constexpr (kParts == 2) {
+      s1 += count_of(rest, c1);
+    } else {
+      const double mid = (rest + m1) - m1;  // rest rounded to a multiple of the second split point
+      s1 += count_of(mid, c1);
+      s2 += count_of(rest - mid, c2);
+    }
+  }
+  Measured r;
+  r.max_all = max_all;
+  r.nonfinite = nonfinite;
+  r.nonzero = nonzero;
+  r.subnormal = subnormal;
+  r.outside = outside;
+  r.sum[0] = s0;
+  r.sum[1] = s1;
+  r.sum[2] = s2;
+  return r;
+}
+
+#if HALFSTEP_HOST_AVX2
 
 /// Pass 1's loop over `n` bf16 or f32 gradient words in the AVX2 variant, written with intrinsics
 /// (one read of the chunk; the compiler does not add fp64 sums as vectors without reordering
@@ -220,53 +272,19 @@ inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const Ch
   const SquareSplit& split = a.split;
   const std::uint32_t normal = kGrad == DType::f32 ? a.normal_bits : format_bits(kGrad).exponent_lsb;
   const std::uint32_t low = split.low, high = split.high;
-  const double m0 = split.magic[0], m1 = split.magic[1];
-  double magic[3] = {0.0, 0.0, 0.0};
-  for (int k = 0; k < kParts; ++k) magic[k] = ::ldexp(1.5, split.unit_log2[k] + 52);
-  const double c0 = magic[0], c1 = magic[1], c2 = magic[2];
-  std::int64_t s0 = 0, s1 = 0, s2 = 0;
-  std::uint32_t max_all = 0, nonfinite = 0, nonzero = 0, subnormal = 0, outside = 0;
+  Measured r;
 #if HALFSTEP_HOST_AVX2
-  if constexpr (kAvx2 && kGrad != DType::f16) {  // one loop, with intrinsics
-    const Measured r = measure_avx2<kGrad, kParts>(words, n, split, normal);
-    max_all = r.max_all;
-    nonfinite = r.nonfinite;
-    nonzero = r.nonzero;
-    subnormal = r.subnormal;
-    outside = r.outside;
-    s0 = r.sum[0];
-    s1 = r.sum[1];
-    s2 = r.sum[2];
-  } else
+  if constexpr (kAvx2 && kGrad != DType::f16) {
+    r = measure_avx2<kGrad, kParts>(words, n, split, normal);  // one loop, with intrinsics
+  } else {
+    r = measure_portable<kGrad>(words, n, split, normal);
+  }
+#else
+  r = measure_portable<kGrad>(words, n, split, normal);
 #endif
-  {
-  // Two loops over the chunk (the second reads it from cache), each of one kind of reduction, so
-  // that the compiler vectorises both: the counts and the largest pattern, then the squares.
-  for (int i = 0; i < n; ++i) {
-    const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
-    nonfinite += mag >= P::kInf ? 1u : 0u;
-    max_all = mag > max_all ? mag : max_all;  // inf and NaN lie above every finite pattern
-    nonzero += (mag + P::kMag) >> P::kMagBits;  // 1 unless mag is 0 (as arithmetic, which vectorises here)
-    subnormal += mag - 1u < normal - 1u ? 1u : 0u;  // 0 < mag < normal: zero wraps past it
-    if constexpr (P::kWindowed) outside += mag - 1u < low - 1u || (mag >= high && mag < P::kInf) ? 1u : 0u;
-  }
-  for (int i = 0; i < n; ++i) {
-    const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
-    // fp16: every finite value is in the window; zero adds nothing
-    const bool summed = P::kWindowed ? mag >= low && mag < high : mag < P::kInf;
-    const double x = summed ? magnitude_double<kGrad>(mag) : 0.0;
-    const double hi = ::fma(x, x, m0) - m0;  // x² rounded to a multiple of the first split point
-    const double rest = ::fma(x, x, -hi);    // x² - hi, exactly
-    s0 += count_of(hi, c0);
-    if constexpr (kParts == 2) {
-      s1 += count_of(rest, c1);
-    } else {
-      const double mid = (rest + m1) - m1;  // rest rounded to a multiple of the second split point
-      s1 += count_of(mid, c1);
-      s2 += count_of(rest - mid, c2);
-    }
-  }
-  }
+  const std::uint32_t max_all = r.max_all, nonfinite = r.nonfinite, nonzero = r.nonzero, subnormal = r.subnormal,
+                      outside = r.outside;
+  const std::int64_t s0 = r.sum[0], s1 = r.sum[1], s2 = r.sum[2];
   std::uint32_t max_bits = max_all;
   if (nonfinite != 0) {  // the largest finite magnitude, read again (rare: the step will be skipped)
     max_bits = 0;
