@@ -57,10 +57,7 @@ class IeeeMode {
 class HostPool {
  public:
   explicit HostPool(int threads) : threads_(threads) {}
-  ~HostPool() {
-    if (state_ != nullptr && state_->pid == ::getpid()) stop(*state_);
-    // A forked child's inherited state is not the child's to stop: left as it is.
-  }
+  ~HostPool() { release(); }
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
 
@@ -68,16 +65,12 @@ class HostPool {
 
   void set_threads(int threads) {
     if (threads == threads_) return;
-    if (state_ != nullptr && state_->pid == ::getpid()) {
-      stop(*state_);
-      delete state_;
-    }
-    state_ = nullptr;
+    release();
     threads_ = threads;
   }
 
   /// Runs f(begin, end, worker) over the ranges of [0, n), on every thread at once; returns when
-  /// all are done. A job that throws on a worker is rethrown here (none of the passes throws).
+  /// all are done. f must not throw (the passes do not): a worker has no one to hand it to.
   template <class F>
   void run(std::int64_t n, F&& f) {
     const int used = static_cast<int>(std::min<std::int64_t>(threads_, n));
@@ -119,7 +112,7 @@ class HostPool {
   };
 
   State& state() {
-    if (state_ != nullptr && state_->pid != ::getpid()) state_ = nullptr;  // forked: the parent's workers are not here
+    if (state_ != nullptr && state_->pid != ::getpid()) release();  // forked: the parent's workers are not here
     if (state_ == nullptr) {
       auto* s = new State();
       s->pid = ::getpid();
@@ -127,6 +120,27 @@ class HostPool {
       state_ = s;
     }
     return *state_;
+  }
+
+  /// Stops this process's workers and frees their state. A forked child's inherited state is not
+  /// the child's to stop or free (its mutex may be held by a thread the child does not have): it is
+  /// kept reachable for the life of the process instead.
+  void release() {
+    if (state_ == nullptr) return;
+    if (state_->pid == ::getpid()) {
+      stop(*state_);
+      delete state_;
+    } else {
+      static std::mutex kept;
+      std::lock_guard<std::mutex> lock(kept);
+      inherited_states().push_back(state_);
+    }
+    state_ = nullptr;
+  }
+
+  static std::vector<State*>& inherited_states() {
+    static std::vector<State*> states;
+    return states;
   }
 
   static void work(State& s, int w) {
