@@ -154,15 +154,20 @@ __attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* wor
   constexpr std::uint32_t kInf = kGrad == DType::f32 ? 0x7F800000u : 0x7F80u;
   // Every pattern is below 2^31, so signed 32-bit compares order them.
   const __m256i mag_mask = _mm256_set1_epi32(static_cast<int>(kMag));
-  const __m256i inf_less1 = _mm256_set1_epi32(static_cast<int>(kInf - 1u)), zero = _mm256_setzero_si256();
+  const __m256i zero = _mm256_setzero_si256();
   const __m256i low_less1 = _mm256_set1_epi32(static_cast<int>(split.low - 1u));
   const __m256i high = _mm256_set1_epi32(static_cast<int>(split.high));
-  const __m256i normal_v = _mm256_set1_epi32(static_cast<int>(normal)), ones = _mm256_cmpeq_epi32(zero, zero);
+  const __m256i normal_v = _mm256_set1_epi32(static_cast<int>(normal));
   const __m256d m0 = _mm256_set1_pd(split.magic[0]), m1 = _mm256_set1_pd(split.magic[1]);
   double inverse_unit[3] = {0.0, 0.0, 0.0};  // 2^-unit: a part's sum times it is its count
   for (int k = 0; k < kParts; ++k) inverse_unit[k] = ::ldexp(1.0, -split.unit_log2[k]);
-  // Counts per lane, as negated masks added (at most 2^15 / 8 a lane).
-  __m256i max_v = zero, nonfinite_v = zero, zeros_v = zero, subnormal_v = zero, outside_v = zero;
+  // Counts per lane, as negated masks added (at most 2^15 / 8 a lane): the loop counts what the
+  // others follow from. A nonzero finite pattern lies below the window, in it or above it (the
+  // window [low, high) starts above zero and ends at infinity or below), so the count outside
+  // the window is the nonzero finite count less the count in it; zero is below the smallest
+  // normal; and inf/NaN are counted after the loop, only where the largest pattern says there is
+  // one.
+  __m256i max_v = zero, zeros_v = zero, below_normal_v = zero, in_v = zero;
   Measured r;
   int i = 0;
   for (int g0 = 0; g0 + 8 <= n; g0 = i) {
@@ -177,19 +182,14 @@ __attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* wor
         w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(words) + i)));
       }
       const __m256i mag = _mm256_and_si256(w, mag_mask);
-      const __m256i nonfinite = _mm256_cmpgt_epi32(mag, inf_less1);
       const __m256i is_zero = _mm256_cmpeq_epi32(mag, zero);
       const __m256i above_low = _mm256_cmpgt_epi32(mag, low_less1);
       const __m256i below_high = _mm256_cmpgt_epi32(high, mag);
       max_v = _mm256_max_epu32(max_v, mag);  // inf and NaN lie above every finite pattern
-      nonfinite_v = _mm256_sub_epi32(nonfinite_v, nonfinite);
       zeros_v = _mm256_sub_epi32(zeros_v, is_zero);
-      subnormal_v = _mm256_sub_epi32(subnormal_v, _mm256_andnot_si256(is_zero, _mm256_cmpgt_epi32(normal_v, mag)));
-      // nonzero below the window, or finite from its top up
-      const __m256i below = _mm256_andnot_si256(_mm256_or_si256(is_zero, above_low), ones);
-      const __m256i above = _mm256_andnot_si256(_mm256_or_si256(below_high, nonfinite), ones);
-      outside_v = _mm256_sub_epi32(outside_v, _mm256_or_si256(below, above));
+      below_normal_v = _mm256_sub_epi32(below_normal_v, _mm256_cmpgt_epi32(normal_v, mag));
       const __m256i in = _mm256_and_si256(above_low, below_high);
+      in_v = _mm256_sub_epi32(in_v, in);
       const __m256i bits = _mm256_and_si256(kGrad == DType::f32 ? mag : _mm256_slli_epi32(mag, 16), in);
       const __m256 xf = _mm256_castsi256_ps(bits);  // |x| where it is in the window, else 0 (adds 0)
       const __m256d x[2] = {_mm256_cvtps_pd(_mm256_castps256_ps128(xf)), _mm256_cvtps_pd(_mm256_extractf128_ps(xf, 1))};
@@ -213,30 +213,27 @@ __attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* wor
       for (int l = 0; l < 8; ++l) r.sum[k] += static_cast<std::int64_t>(lanes[l] * inverse_unit[k]);  // exact
     }
   }
-  alignas(32) std::uint32_t lane[5][8];
+  alignas(32) std::uint32_t lane[4][8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lane[0]), max_v);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[1]), nonfinite_v);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[2]), zeros_v);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[3]), subnormal_v);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[4]), outside_v);
-  std::uint32_t zeros = 0;
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[1]), zeros_v);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[2]), below_normal_v);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[3]), in_v);
+  std::uint32_t zeros = 0, below_normal = 0, in = 0;
   for (int l = 0; l < 8; ++l) {
     r.max_all = lane[0][l] > r.max_all ? lane[0][l] : r.max_all;
-    r.nonfinite += lane[1][l];
-    zeros += lane[2][l];
-    r.subnormal += lane[3][l];
-    r.outside += lane[4][l];
+    zeros += lane[1][l];
+    below_normal += lane[2][l];
+    in += lane[3][l];
   }
   // The last n % 8 words, one at a time (each square's parts alone are exact integers).
   for (; i < n; ++i) {
     const std::uint32_t mag = (kGrad == DType::f32 ? static_cast<const std::uint32_t*>(words)[i]
                                                    : static_cast<const std::uint16_t*>(words)[i]) & kMag;
     r.max_all = mag > r.max_all ? mag : r.max_all;
-    r.nonfinite += mag >= kInf ? 1u : 0u;
     zeros += mag == 0 ? 1u : 0u;
-    r.subnormal += mag != 0 && mag < normal ? 1u : 0u;
-    r.outside += (mag != 0 && mag < split.low) || (mag >= split.high && mag < kInf) ? 1u : 0u;
+    below_normal += mag < normal ? 1u : 0u;
     if (mag < split.low || mag >= split.high) continue;
+    ++in;
     const double x = static_cast<double>(float_of(kGrad == DType::f32 ? mag : mag << 16));
     const double hi = ::fma(x, x, split.magic[0]) - split.magic[0];
     const double rest = ::fma(x, x, -hi);
@@ -249,7 +246,16 @@ __attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* wor
       r.sum[2] += static_cast<std::int64_t>((rest - mid) * inverse_unit[2]);
     }
   }
+  if (r.max_all >= kInf) {  // rare: the step will be skipped
+    for (int j = 0; j < n; ++j) {
+      const std::uint32_t mag = (kGrad == DType::f32 ? static_cast<const std::uint32_t*>(words)[j]
+                                                     : static_cast<const std::uint16_t*>(words)[j]) & kMag;
+      r.nonfinite += mag >= kInf ? 1u : 0u;
+    }
+  }
   r.nonzero = static_cast<std::uint32_t>(n) - zeros;
+  r.subnormal = below_normal - zeros;
+  r.outside = r.nonzero - r.nonfinite - in;
   return r;
 }
 #endif
