@@ -88,6 +88,13 @@ struct Measured {
   std::int64_t sum[3] = {0, 0, 0};
 };
 
+/// How far ahead of its loads pass 1 asks for the gradients (bytes). Pass 1 reads one stream with
+/// little arithmetic per line, and the hardware's prefetch alone left it waiting on memory: on a
+/// Xeon server core, 10^7 fp32 gradients took 21 ms (2 GB/s) without and 5.6 ms with it, where
+/// they fit in the caches as fast as without. (Pass 2 reads four or five streams and keeps pace
+/// without: asked for ahead, it got slower.)
+inline constexpr int kPass1Prefetch = 4096;
+
 /// Pass 1's loops over `n` gradient words, portable: two loops over the chunk (the second reads
 /// it from cache), each of one kind of reduction, so that the compiler vectorises both: the counts
 /// and the largest pattern, then the squares' parts, each converted to its integer count.
@@ -102,13 +109,22 @@ inline Measured measure_portable(const Word* words, int n, const SquareSplit& sp
   const double c0 = magic[0], c1 = magic[1], c2 = magic[2];
   std::int64_t s0 = 0, s1 = 0, s2 = 0;
   std::uint32_t max_all = 0, nonfinite = 0, nonzero = 0, subnormal = 0, outside = 0;
-  for (int i = 0; i < n; ++i) {
-    const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
-    nonfinite += mag >= P::kInf ? 1u : 0u;
-    max_all = mag > max_all ? mag : max_all;  // inf and NaN lie above every finite pattern
-    nonzero += (mag + P::kMag) >> P::kMagBits;  // 1 unless mag is 0 (as arithmetic, which vectorises here)
-    subnormal += mag - 1u < normal - 1u ? 1u : 0u;  // 0 < mag < normal: zero wraps past it
-    if constexpr (P::kWindowed) outside += mag - 1u < low - 1u || (mag >= high && mag < P::kInf) ? 1u : 0u;
+  // (the first loop over blocks of kBlock words, each block asking first for the lines
+  // kPass1Prefetch bytes ahead; the inner loop is what the compiler vectorises)
+  constexpr int kBlock = 512;
+  for (int i0 = 0; i0 < n; i0 += kBlock) {
+    for (int b = 0; b < kBlock * static_cast<int>(sizeof(Word)); b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(words + i0) + kPass1Prefetch + b, 0, 3);
+    }
+    const int i1 = n - i0 < kBlock ? n : i0 + kBlock;
+    for (int i = i0; i < i1; ++i) {
+      const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
+      nonfinite += mag >= P::kInf ? 1u : 0u;
+      max_all = mag > max_all ? mag : max_all;  // inf and NaN lie above every finite pattern
+      nonzero += (mag + P::kMag) >> P::kMagBits;  // 1 unless mag is 0 (as arithmetic, which vectorises here)
+      subnormal += mag - 1u < normal - 1u ? 1u : 0u;  // 0 < mag < normal: zero wraps past it
+      if constexpr (P::kWindowed) outside += mag - 1u < low - 1u || (mag >= high && mag < P::kInf) ? 1u : 0u;
+    }
   }
   for (int i = 0; i < n; ++i) {
     const std::uint32_t mag = static_cast<std::uint32_t>(words[i]) & P::kMag;
@@ -152,6 +168,7 @@ __attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* wor
   static_assert(kGrad == DType::f32 || kGrad == DType::bf16, "f16 takes the portable loops");
   constexpr std::uint32_t kMag = kGrad == DType::f32 ? 0x7FFFFFFFu : 0x7FFFu;
   constexpr std::uint32_t kInf = kGrad == DType::f32 ? 0x7F800000u : 0x7F80u;
+  using Word = std::conditional_t<kGrad == DType::f32, std::uint32_t, std::uint16_t>;
   // Every pattern is below 2^31, so signed 32-bit compares order them.
   const __m256i mag_mask = _mm256_set1_epi32(static_cast<int>(kMag));
   const __m256i zero = _mm256_setzero_si256();
@@ -175,6 +192,7 @@ __attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* wor
     __m256d acc[kParts][2];
     for (int k = 0; k < kParts; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_pd();
     for (i = g0; i < g_end; i += 8) {
+      _mm_prefetch(static_cast<const char*>(words) + i * static_cast<int>(sizeof(Word)) + kPass1Prefetch, _MM_HINT_T0);
       __m256i w;
       if constexpr (kGrad == DType::f32) {
         w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const std::uint32_t*>(words) + i));
