@@ -367,6 +367,14 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
   const GroupConsts k = a.consts[tensor.group];
   const std::uint64_t key = kDraw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
   const std::int64_t first = tensor.key_offset + chunk.begin;
+  // Element i of the chunk from its old values: its new ones, and whether they are all finite.
+  const auto compute = [&](int i, PS p, std::uint16_t w, MS m, VS v, PS& p_new, std::uint16_t& w_new, MS& m_new,
+                           VS& v_new) {
+    std::uint32_t random, random_w;
+    draw<F, kDraw>(key, first + i, random, random_w);
+    return encode_element<F, kDraw>(p, w, m, v, unscale(grad_value<kGrad>(grad, i), d), kWithModel, random, random_w,
+                                    k, p_new, w_new, m_new, v_new);
+  };
   std::uint64_t held = 0;
   for (int t0 = 0; t0 < chunk.len; t0 += kTile) {
     const int n = chunk.len - t0 < kTile ? chunk.len - t0 : kTile;
@@ -391,14 +399,11 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
       const std::uint16_t w = F::Master::kReadsModel ? model[i] : std::uint16_t{0};
       const MS m = exp_avg[i];
       const VS v = exp_avg_sq[i];
-      std::uint32_t random, random_w;
-      draw<F, kDraw>(key, first + i, random, random_w);
       PS p_new;
       MS m_new;
       VS v_new;
       std::uint16_t w_new;
-      const bool ok = encode_element<F, kDraw>(p, w, m, v, unscale(grad_value<kGrad>(grad, i), d), kWithModel, random,
-                                               random_w, k, p_new, w_new, m_new, v_new);
+      const bool ok = compute(i, p, w, m, v, p_new, w_new, m_new, v_new);
       if constexpr (F::Master::kStored) {
         master[i] = p_new;
         ps_old[j] = p;
@@ -422,16 +427,12 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
     } else {  // rare: the held elements' old values back, the others' model copy stored
       for (int j = 0; j < n; ++j) {
         const int i = t0 + j;
-        std::uint32_t random, random_w;
-        draw<F, kDraw>(key, first + i, random, random_w);
         PS p_new;
         MS m_new;
         VS v_new;
         std::uint16_t w_new;
-        const bool ok = encode_element<F, kDraw>(F::Master::kStored ? ps_old[j] : PS{},
-                                                 F::Master::kReadsModel ? w_old[j] : std::uint16_t{0}, m_old[j],
-                                                 v_old[j], unscale(grad_value<kGrad>(grad, i), d), kWithModel, random,
-                                                 random_w, k, p_new, w_new, m_new, v_new);
+        const bool ok = compute(i, F::Master::kStored ? ps_old[j] : PS{}, F::Master::kReadsModel ? w_old[j] : std::uint16_t{0},
+                                m_old[j], v_old[j], p_new, w_new, m_new, v_new);
         if (ok) {
           if constexpr (!F::Master::kReadsModel && kWithModel) model[i] = w_out[j];
         } else {
