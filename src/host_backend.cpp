@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
@@ -54,6 +56,14 @@ class IeeeMode {
 /// [w·n/T, (w+1)·n/T), the caller's thread the first. Workers start at the first job that needs
 /// them and wait for the next; a process forked from one with workers starts its own (the child
 /// has none of the parent's threads: their state is left behind, never touched).
+///
+/// A step runs two jobs a few microseconds apart (pass 1, the decision, pass 2), and a thread put
+/// to sleep on a condition variable takes tens of microseconds to wake: on a step of 10^6
+/// parameters that was most of what a second thread gained. So a worker that finished a job, and
+/// the caller waiting for the workers, first watch for the next event for up to kSpin (pausing
+/// between looks), and only then sleep. The state that decides (the generation, the pending
+/// count) is atomic; the job itself is read under the mutex, and whoever changes what a sleeper
+/// waits for takes the mutex before notifying, so no wake-up is lost.
 class HostPool {
  public:
   explicit HostPool(int threads) : threads_(threads) {}
@@ -85,16 +95,18 @@ class HostPool {
       s.job = [&f](std::int64_t b, std::int64_t e, int w) { f(b, e, w); };
       s.items = n;
       s.used = used;
-      s.pending = used - 1;
-      ++s.generation;
+      s.pending.store(used - 1, std::memory_order_relaxed);
+      s.generation.fetch_add(1, std::memory_order_release);
     }
     s.start.notify_all();
     {
       IeeeMode ieee;
       f(std::int64_t{0}, n / used, 0);
     }
+    const auto done = [&s] { return s.pending.load(std::memory_order_acquire) == 0; };
+    spin_until(done);
     std::unique_lock<std::mutex> lock(s.mutex);
-    s.finished.wait(lock, [&s] { return s.pending == 0; });
+    s.finished.wait(lock, done);
     s.job = nullptr;
   }
 
@@ -103,13 +115,29 @@ class HostPool {
     pid_t pid;
     std::mutex mutex;
     std::condition_variable start, finished;
-    std::function<void(std::int64_t, std::int64_t, int)> job;
+    std::function<void(std::int64_t, std::int64_t, int)> job;  // these two under the mutex
     std::int64_t items = 0;
-    int used = 0, pending = 0;
-    std::uint64_t generation = 0;
-    bool quit = false;
+    int used = 0;
+    std::atomic<int> pending{0};                // workers still on the job
+    std::atomic<std::uint64_t> generation{0};   // jobs started
+    std::atomic<bool> quit{false};
     std::vector<std::thread> workers;
   };
+
+  /// How long a thread watches for the next event before it sleeps.
+  static constexpr std::chrono::microseconds kSpin{100};
+
+  /// Returns when ready() holds or kSpin has passed (the clock read every 64 looks).
+  template <class Ready>
+  static void spin_until(const Ready& ready) {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    for (unsigned k = 1; !ready(); ++k) {
+#if defined(__x86_64__)
+      _mm_pause();
+#endif
+      if (k % 64 == 0 && std::chrono::steady_clock::now() >= until) return;
+    }
+  }
 
   State& state() {
     if (state_ != nullptr && state_->pid != ::getpid()) release();  // forked: the parent's workers are not here
@@ -145,14 +173,16 @@ class HostPool {
 
   static void work(State& s, int w) {
     std::uint64_t seen = 0;
+    const auto next = [&] { return s.quit.load(std::memory_order_acquire) || s.generation.load(std::memory_order_acquire) != seen; };
     for (;;) {
       std::int64_t begin = 0, end = 0;
       std::function<void(std::int64_t, std::int64_t, int)> job;
+      spin_until(next);
       {
         std::unique_lock<std::mutex> lock(s.mutex);
-        s.start.wait(lock, [&] { return s.quit || s.generation != seen; });
-        if (s.quit) return;
-        seen = s.generation;
+        s.start.wait(lock, next);
+        if (s.quit.load(std::memory_order_relaxed)) return;
+        seen = s.generation.load(std::memory_order_relaxed);
         if (w >= s.used) continue;
         begin = s.items * w / s.used;
         end = s.items * (w + 1) / s.used;
@@ -162,15 +192,17 @@ class HostPool {
         IeeeMode ieee;
         job(begin, end, w);
       }
-      std::lock_guard<std::mutex> lock(s.mutex);
-      if (--s.pending == 0) s.finished.notify_one();
+      if (s.pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(s.mutex);  // the caller may be between its look and its sleep
+        s.finished.notify_one();
+      }
     }
   }
 
   static void stop(State& s) {
     {
       std::lock_guard<std::mutex> lock(s.mutex);
-      s.quit = true;
+      s.quit.store(true, std::memory_order_release);
     }
     s.start.notify_all();
     for (std::thread& t : s.workers) t.join();
