@@ -4,24 +4,31 @@
 //
 // Written for the compiler's vectoriser: each pass is a plain loop over a chunk's elements that
 // converts, computes and stores with selects, no branch (a rare held element is stored by a
-// second, scalar loop), so GCC turns it into 8-wide AVX2 code; the CTest
+// second, scalar loop), so GCC turns it into 8-wide AVX2 or 16-wide AVX-512 code; the CTest
 // host_passes_are_vectorised checks the generated code. The file is compiled once for the
-// baseline instruction set; the AVX2 variant is the same templates instantiated inside functions
-// marked target("avx2,fma,f16c") and flatten, so everything they call is compiled into them for
-// that instruction set, and nothing compiled for AVX2 is ever shared with code that runs without
-// it. Every variant computes the same bits: IEEE operations as written (no contraction, fmaf where
+// baseline instruction set; the AVX2 and AVX-512 variants are the same templates instantiated
+// inside functions marked target("avx2,fma,f16c") or target("avx512f,...") and flatten, so
+// everything they call is compiled into them for that instruction set, and nothing compiled for a
+// wider one is ever shared with code that runs without it. Every variant computes the same bits: IEEE operations as written (no contraction, fmaf where
 // the kernels fuse), exact conversions, and integer sums.
 #include "host_passes.hpp"
 
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
+// GCC 12's AVX-512 intrinsics start from a deliberately undefined vector (`__m512i __Y = __Y;`),
+// which -Wmaybe-uninitialized reports wherever they inline; the warning is off for the header's
+// own lines only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#define HALFSTEP_HOST_AVX2 1
+#pragma GCC diagnostic pop
+#define HALFSTEP_HOST_X86 1
 #else
-#define HALFSTEP_HOST_AVX2 0
+#define HALFSTEP_HOST_X86 0
 #endif
 
 #include "pass2_element.hpp"
@@ -154,99 +161,174 @@ inline Measured measure_portable(const Word* words, int n, const SquareSplit& sp
   return r;
 }
 
-#if HALFSTEP_HOST_AVX2
+#if HALFSTEP_HOST_X86
+// Vectors pass between the functions below and measure_simd, which carries no target attribute:
+// GCC warns that such a call's ABI depends on the instruction set. There is no such call in the
+// library: measure_simd<.., Ops> is only called from a variant compiled for Ops' instruction set,
+// which inlines all of it (flatten).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
 
-/// Pass 1's loop over `n` bf16 or f32 gradient words in the AVX2 variant, written with intrinsics
-/// (one read of the chunk; the compiler does not add fp64 sums as vectors without reordering
-/// them): the counts and largest pattern measure_chunk's portable loops take, and the squares of
-/// the window's values split into parts. A lane of fp64 accumulators adds one part of every
-/// eighth square, as the kernel's threads add theirs: at most kMaxPerThread of them make an exact
-/// integer in the part's unit (exact_sum.hpp), counted into `sum` every 8 · kMaxPerThread words.
-template <DType kGrad, int kParts>
-__attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* words, int n, const SquareSplit& split,
-                                                                 std::uint32_t normal) {
+// The vector operations pass 1's intrinsics loop uses, for AVX2 (8 lanes of 32 bits, comparisons
+// as lanes of all ones) and AVX-512 (16 lanes, comparisons as mask registers). Each struct's
+// functions carry its target attribute, so they inline only into that variant's code.
+#define HALFSTEP_AVX2_OPS __attribute__((target("avx2,fma"))) static inline
+struct Avx2Ops {
+  static constexpr int kLanes = 8;
+  using I = __m256i;
+  using D = __m256d;
+  using Mask = __m256i;
+  HALFSTEP_AVX2_OPS I load32(const std::uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  HALFSTEP_AVX2_OPS I load16(const std::uint16_t* p) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  HALFSTEP_AVX2_OPS I set1(std::uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
+  HALFSTEP_AVX2_OPS I zero() { return _mm256_setzero_si256(); }
+  HALFSTEP_AVX2_OPS I bit_and(I a, I b) { return _mm256_and_si256(a, b); }
+  HALFSTEP_AVX2_OPS I shl16(I a) { return _mm256_slli_epi32(a, 16); }
+  HALFSTEP_AVX2_OPS I max_u(I a, I b) { return _mm256_max_epu32(a, b); }
+  // (signed compares: every pattern the loop compares lies below 2^31)
+  HALFSTEP_AVX2_OPS Mask equal(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
+  HALFSTEP_AVX2_OPS Mask greater(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
+  HALFSTEP_AVX2_OPS Mask both(Mask a, Mask b) { return _mm256_and_si256(a, b); }
+  HALFSTEP_AVX2_OPS I count(I counts, Mask m) { return _mm256_sub_epi32(counts, m); }  // +1 where m holds
+  HALFSTEP_AVX2_OPS I keep(Mask m, I a) { return _mm256_and_si256(a, m); }             // a where m holds, else 0
+  /// The lanes' 32-bit patterns as floats, widened to doubles: lanes [0, 4) and [4, 8).
+  HALFSTEP_AVX2_OPS D low_half(I a) { return _mm256_cvtps_pd(_mm256_castps256_ps128(_mm256_castsi256_ps(a))); }
+  HALFSTEP_AVX2_OPS D high_half(I a) { return _mm256_cvtps_pd(_mm256_extractf128_ps(_mm256_castsi256_ps(a), 1)); }
+  HALFSTEP_AVX2_OPS D dzero() { return _mm256_setzero_pd(); }
+  HALFSTEP_AVX2_OPS D dset1(double v) { return _mm256_set1_pd(v); }
+  HALFSTEP_AVX2_OPS D add(D a, D b) { return _mm256_add_pd(a, b); }
+  HALFSTEP_AVX2_OPS D sub(D a, D b) { return _mm256_sub_pd(a, b); }
+  HALFSTEP_AVX2_OPS D fmadd(D a, D b, D c) { return _mm256_fmadd_pd(a, b, c); }
+  HALFSTEP_AVX2_OPS D fmsub(D a, D b, D c) { return _mm256_fmsub_pd(a, b, c); }
+  HALFSTEP_AVX2_OPS void store(std::uint32_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
+  HALFSTEP_AVX2_OPS void dstore(double* p, D a) { _mm256_storeu_pd(p, a); }
+};
+#undef HALFSTEP_AVX2_OPS
+
+#define HALFSTEP_AVX512_OPS __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))) static inline
+struct Avx512Ops {
+  static constexpr int kLanes = 16;
+  using I = __m512i;
+  using D = __m512d;
+  using Mask = __mmask16;
+  HALFSTEP_AVX512_OPS I load32(const std::uint32_t* p) { return _mm512_loadu_si512(p); }
+  HALFSTEP_AVX512_OPS I load16(const std::uint16_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  HALFSTEP_AVX512_OPS I set1(std::uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+  HALFSTEP_AVX512_OPS I zero() { return _mm512_setzero_si512(); }
+  HALFSTEP_AVX512_OPS I bit_and(I a, I b) { return _mm512_and_si512(a, b); }
+  HALFSTEP_AVX512_OPS I shl16(I a) { return _mm512_slli_epi32(a, 16); }
+  HALFSTEP_AVX512_OPS I max_u(I a, I b) { return _mm512_max_epu32(a, b); }
+  HALFSTEP_AVX512_OPS Mask equal(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  HALFSTEP_AVX512_OPS Mask greater(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
+  HALFSTEP_AVX512_OPS Mask both(Mask a, Mask b) { return static_cast<Mask>(a & b); }
+  HALFSTEP_AVX512_OPS I count(I counts, Mask m) { return _mm512_mask_sub_epi32(counts, m, counts, _mm512_set1_epi32(-1)); }
+  HALFSTEP_AVX512_OPS I keep(Mask m, I a) { return _mm512_maskz_mov_epi32(m, a); }
+  HALFSTEP_AVX512_OPS D low_half(I a) { return _mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_castsi512_ps(a))); }
+  HALFSTEP_AVX512_OPS D high_half(I a) { return _mm512_cvtps_pd(_mm512_extractf32x8_ps(_mm512_castsi512_ps(a), 1)); }
+  HALFSTEP_AVX512_OPS D dzero() { return _mm512_setzero_pd(); }
+  HALFSTEP_AVX512_OPS D dset1(double v) { return _mm512_set1_pd(v); }
+  HALFSTEP_AVX512_OPS D add(D a, D b) { return _mm512_add_pd(a, b); }
+  HALFSTEP_AVX512_OPS D sub(D a, D b) { return _mm512_sub_pd(a, b); }
+  HALFSTEP_AVX512_OPS D fmadd(D a, D b, D c) { return _mm512_fmadd_pd(a, b, c); }
+  HALFSTEP_AVX512_OPS D fmsub(D a, D b, D c) { return _mm512_fmsub_pd(a, b, c); }
+  HALFSTEP_AVX512_OPS void store(std::uint32_t* p, I a) { _mm512_storeu_si512(p, a); }
+  HALFSTEP_AVX512_OPS void dstore(double* p, D a) { _mm512_storeu_pd(p, a); }
+};
+#undef HALFSTEP_AVX512_OPS
+
+/// Pass 1's loop over `n` bf16 or f32 gradient words in a vector variant (Ops: Avx2Ops or
+/// Avx512Ops), written with intrinsics (one read of the chunk; the compiler does not add fp64
+/// sums as vectors without reordering them): the counts and largest pattern measure_chunk's
+/// portable loops take, and the squares of the window's values split into parts. A lane of fp64
+/// accumulators adds one part of every kLanes-th square, as the kernel's threads add theirs: at
+/// most kMaxPerThread of them make an exact integer in the part's unit (exact_sum.hpp), counted
+/// into `sum` every kLanes · kMaxPerThread words. Called only from functions compiled for Ops'
+/// instruction set.
+template <DType kGrad, int kParts, class Ops>
+inline Measured measure_simd(const void* words, int n, const SquareSplit& split, std::uint32_t normal) {
   static_assert(kGrad == DType::f32 || kGrad == DType::bf16, "f16 takes the portable loops");
+  constexpr int L = Ops::kLanes;
   constexpr std::uint32_t kMag = kGrad == DType::f32 ? 0x7FFFFFFFu : 0x7FFFu;
   constexpr std::uint32_t kInf = kGrad == DType::f32 ? 0x7F800000u : 0x7F80u;
   using Word = std::conditional_t<kGrad == DType::f32, std::uint32_t, std::uint16_t>;
-  // Every pattern is below 2^31, so signed 32-bit compares order them.
-  const __m256i mag_mask = _mm256_set1_epi32(static_cast<int>(kMag));
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i low_less1 = _mm256_set1_epi32(static_cast<int>(split.low - 1u));
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(split.high));
-  const __m256i normal_v = _mm256_set1_epi32(static_cast<int>(normal));
-  const __m256d m0 = _mm256_set1_pd(split.magic[0]), m1 = _mm256_set1_pd(split.magic[1]);
+  const Word* const w = static_cast<const Word*>(words);
+  using I = typename Ops::I;
+  using D = typename Ops::D;
+  const I mag_mask = Ops::set1(kMag);
+  const I zero = Ops::zero();
+  const I low_less1 = Ops::set1(split.low - 1u);
+  const I high = Ops::set1(split.high);
+  const I normal_v = Ops::set1(normal);
+  const D m0 = Ops::dset1(split.magic[0]), m1 = Ops::dset1(split.magic[1]);
   double inverse_unit[3] = {0.0, 0.0, 0.0};  // 2^-unit: a part's sum times it is its count
   for (int k = 0; k < kParts; ++k) inverse_unit[k] = ::ldexp(1.0, -split.unit_log2[k]);
-  // Counts per lane, as negated masks added (at most 2^15 / 8 a lane): the loop counts what the
-  // others follow from. A nonzero finite pattern lies below the window, in it or above it (the
-  // window [low, high) starts above zero and ends at infinity or below), so the count outside
-  // the window is the nonzero finite count less the count in it; zero is below the smallest
-  // normal; and inf/NaN are counted after the loop, only where the largest pattern says there is
-  // one.
-  __m256i max_v = zero, zeros_v = zero, below_normal_v = zero, in_v = zero;
+  // Counts per lane (at most 2^15 / 8 a lane): the loop counts what the others follow from. A
+  // nonzero finite pattern lies below the window, in it or above it (the window [low, high)
+  // starts above zero and ends at infinity or below), so the count outside the window is the
+  // nonzero finite count less the count in it; zero is below the smallest normal; and inf/NaN are
+  // counted after the loop, only where the largest pattern says there is one.
+  I max_v = zero, zeros_v = zero, below_normal_v = zero, in_v = zero;
   Measured r;
   int i = 0;
-  for (int g0 = 0; g0 + 8 <= n; g0 = i) {
-    const int g_end = n - g0 < 8 * kMaxPerThread ? n - (n - g0) % 8 : g0 + 8 * kMaxPerThread;
-    __m256d acc[kParts][2];
-    for (int k = 0; k < kParts; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_pd();
-    for (i = g0; i < g_end; i += 8) {
-      _mm_prefetch(static_cast<const char*>(words) + i * static_cast<int>(sizeof(Word)) + kPass1Prefetch, _MM_HINT_T0);
-      __m256i w;
+  for (int g0 = 0; g0 + L <= n; g0 = i) {
+    const int g_end = n - g0 < L * kMaxPerThread ? n - (n - g0) % L : g0 + L * kMaxPerThread;
+    D acc[kParts][2];
+    for (int k = 0; k < kParts; ++k) acc[k][0] = acc[k][1] = Ops::dzero();
+    for (i = g0; i < g_end; i += L) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPass1Prefetch, _MM_HINT_T0);
+      I word;
       if constexpr (kGrad == DType::f32) {
-        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const std::uint32_t*>(words) + i));
+        word = Ops::load32(w + i);
       } else {
-        w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(words) + i)));
+        word = Ops::load16(w + i);
       }
-      const __m256i mag = _mm256_and_si256(w, mag_mask);
-      const __m256i is_zero = _mm256_cmpeq_epi32(mag, zero);
-      const __m256i above_low = _mm256_cmpgt_epi32(mag, low_less1);
-      const __m256i below_high = _mm256_cmpgt_epi32(high, mag);
-      max_v = _mm256_max_epu32(max_v, mag);  // inf and NaN lie above every finite pattern
-      zeros_v = _mm256_sub_epi32(zeros_v, is_zero);
-      below_normal_v = _mm256_sub_epi32(below_normal_v, _mm256_cmpgt_epi32(normal_v, mag));
-      const __m256i in = _mm256_and_si256(above_low, below_high);
-      in_v = _mm256_sub_epi32(in_v, in);
-      const __m256i bits = _mm256_and_si256(kGrad == DType::f32 ? mag : _mm256_slli_epi32(mag, 16), in);
-      const __m256 xf = _mm256_castsi256_ps(bits);  // |x| where it is in the window, else 0 (adds 0)
-      const __m256d x[2] = {_mm256_cvtps_pd(_mm256_castps256_ps128(xf)), _mm256_cvtps_pd(_mm256_extractf128_ps(xf, 1))};
+      const I mag = Ops::bit_and(word, mag_mask);
+      max_v = Ops::max_u(max_v, mag);  // inf and NaN lie above every finite pattern
+      zeros_v = Ops::count(zeros_v, Ops::equal(mag, zero));
+      below_normal_v = Ops::count(below_normal_v, Ops::greater(normal_v, mag));
+      const auto in = Ops::both(Ops::greater(mag, low_less1), Ops::greater(high, mag));
+      in_v = Ops::count(in_v, in);
+      const I bits = Ops::keep(in, kGrad == DType::f32 ? mag : Ops::shl16(mag));  // |x| in the window, else 0 (adds 0)
+      const D x[2] = {Ops::low_half(bits), Ops::high_half(bits)};
       for (int h = 0; h < 2; ++h) {
-        const __m256d hi = _mm256_sub_pd(_mm256_fmadd_pd(x[h], x[h], m0), m0);  // x² to a multiple of the first split
-        const __m256d rest = _mm256_fmsub_pd(x[h], x[h], hi);                  // x² - hi, exactly
-        acc[0][h] = _mm256_add_pd(acc[0][h], hi);
+        const D hi = Ops::sub(Ops::fmadd(x[h], x[h], m0), m0);  // x² to a multiple of the first split
+        const D rest = Ops::fmsub(x[h], x[h], hi);              // x² - hi, exactly
+        acc[0][h] = Ops::add(acc[0][h], hi);
         if constexpr (kParts == 2) {
-          acc[1][h] = _mm256_add_pd(acc[1][h], rest);
+          acc[1][h] = Ops::add(acc[1][h], rest);
         } else {
-          const __m256d mid = _mm256_sub_pd(_mm256_add_pd(rest, m1), m1);  // rest to a multiple of the second
-          acc[1][h] = _mm256_add_pd(acc[1][h], mid);
-          acc[2][h] = _mm256_add_pd(acc[2][h], _mm256_sub_pd(rest, mid));
+          const D mid = Ops::sub(Ops::add(rest, m1), m1);  // rest to a multiple of the second
+          acc[1][h] = Ops::add(acc[1][h], mid);
+          acc[2][h] = Ops::add(acc[2][h], Ops::sub(rest, mid));
         }
       }
     }
     for (int k = 0; k < kParts; ++k) {
-      alignas(32) double lanes[8];
-      _mm256_store_pd(lanes, acc[k][0]);
-      _mm256_store_pd(lanes + 4, acc[k][1]);
-      for (int l = 0; l < 8; ++l) r.sum[k] += static_cast<std::int64_t>(lanes[l] * inverse_unit[k]);  // exact
+      double lanes[L];
+      Ops::dstore(lanes, acc[k][0]);
+      Ops::dstore(lanes + L / 2, acc[k][1]);
+      for (int l = 0; l < L; ++l) r.sum[k] += static_cast<std::int64_t>(lanes[l] * inverse_unit[k]);  // exact
     }
   }
-  alignas(32) std::uint32_t lane[4][8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[0]), max_v);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[1]), zeros_v);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[2]), below_normal_v);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane[3]), in_v);
+  std::uint32_t lane[4][L];
+  Ops::store(lane[0], max_v);
+  Ops::store(lane[1], zeros_v);
+  Ops::store(lane[2], below_normal_v);
+  Ops::store(lane[3], in_v);
   std::uint32_t zeros = 0, below_normal = 0, in = 0;
-  for (int l = 0; l < 8; ++l) {
+  for (int l = 0; l < L; ++l) {
     r.max_all = lane[0][l] > r.max_all ? lane[0][l] : r.max_all;
     zeros += lane[1][l];
     below_normal += lane[2][l];
     in += lane[3][l];
   }
-  // The last n % 8 words, one at a time (each square's parts alone are exact integers).
+  // The last n % kLanes words, one at a time (each square's parts alone are exact integers).
   for (; i < n; ++i) {
-    const std::uint32_t mag = (kGrad == DType::f32 ? static_cast<const std::uint32_t*>(words)[i]
-                                                   : static_cast<const std::uint16_t*>(words)[i]) & kMag;
+    const std::uint32_t mag = w[i] & kMag;
     r.max_all = mag > r.max_all ? mag : r.max_all;
     zeros += mag == 0 ? 1u : 0u;
     below_normal += mag < normal ? 1u : 0u;
@@ -265,17 +347,14 @@ __attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* wor
     }
   }
   if (r.max_all >= kInf) {  // rare: the step will be skipped
-    for (int j = 0; j < n; ++j) {
-      const std::uint32_t mag = (kGrad == DType::f32 ? static_cast<const std::uint32_t*>(words)[j]
-                                                     : static_cast<const std::uint16_t*>(words)[j]) & kMag;
-      r.nonfinite += mag >= kInf ? 1u : 0u;
-    }
+    for (int j = 0; j < n; ++j) r.nonfinite += (w[j] & kMag) >= kInf ? 1u : 0u;
   }
   r.nonzero = static_cast<std::uint32_t>(n) - zeros;
   r.subnormal = below_normal - zeros;
   r.outside = r.nonzero - r.nonfinite - in;
   return r;
 }
+#pragma GCC diagnostic pop
 #endif
 
 // Pass 1 on one chunk: the kernel's split of each square (exact_sum.hpp) into parts at fixed
@@ -283,7 +362,7 @@ __attribute__((target("avx2,fma"))) inline Measured measure_avx2(const void* wor
 // is one flat reduction of integers that the compiler may vectorise in any order. Every part of an
 // element in the window is below 2^51 units and a chunk holds at most 2^15 elements, so no sum
 // passes 2^63 (the kernel's block sums have the same bound); the digits are the kernel's.
-template <DType kGrad, bool kAvx2>
+template <DType kGrad, class Ops>
 inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const ChunkDesc& chunk, ChunkPartial& out,
                           std::uint64_t (&spill)[kSumLimbs], bool& spilled) {
   using P = Pass1Format<kGrad>;
@@ -297,15 +376,13 @@ inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const Ch
   const std::uint32_t normal = kGrad == DType::f32 ? a.normal_bits : format_bits(kGrad).exponent_lsb;
   const std::uint32_t low = split.low, high = split.high;
   Measured r;
-#if HALFSTEP_HOST_AVX2
-  if constexpr (kAvx2 && kGrad != DType::f16) {
-    r = measure_avx2<kGrad, kParts>(words, n, split, normal);  // one loop, with intrinsics
+  if constexpr (!std::is_void_v<Ops> && kGrad != DType::f16) {
+#if HALFSTEP_HOST_X86
+    r = measure_simd<kGrad, kParts, Ops>(words, n, split, normal);  // one loop, with intrinsics
+#endif
   } else {
     r = measure_portable<kGrad>(words, n, split, normal);
   }
-#else
-  r = measure_portable<kGrad>(words, n, split, normal);
-#endif
   const std::uint32_t max_all = r.max_all, nonfinite = r.nonfinite, nonzero = r.nonzero, subnormal = r.subnormal,
                       outside = r.outside;
   const std::int64_t s0 = r.sum[0], s1 = r.sum[1], s2 = r.sum[2];
@@ -553,15 +630,15 @@ inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, co
 #define HALFSTEP_HOST_VARIANT(NAME, ATTRIBUTES)                                                              \
   ATTRIBUTES void NAME##_measure_f16(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c,             \
                                      ChunkPartial& out, std::uint64_t (&spill)[kSumLimbs], bool& spilled) {  \
-    measure_chunk<DType::f16, NAME##_is_avx2>(a, t, c, out, spill, spilled);                                                  \
+    measure_chunk<DType::f16, NAME##_ops>(a, t, c, out, spill, spilled);                                                  \
   }                                                                                                           \
   ATTRIBUTES void NAME##_measure_bf16(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c,            \
                                       ChunkPartial& out, std::uint64_t (&spill)[kSumLimbs], bool& spilled) { \
-    measure_chunk<DType::bf16, NAME##_is_avx2>(a, t, c, out, spill, spilled);                                                 \
+    measure_chunk<DType::bf16, NAME##_ops>(a, t, c, out, spill, spilled);                                                 \
   }                                                                                                           \
   ATTRIBUTES void NAME##_measure_f32(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c,             \
                                      ChunkPartial& out, std::uint64_t (&spill)[kSumLimbs], bool& spilled) {  \
-    measure_chunk<DType::f32, NAME##_is_avx2>(a, t, c, out, spill, spilled);                                                  \
+    measure_chunk<DType::f32, NAME##_ops>(a, t, c, out, spill, spilled);                                                  \
   }                                                                                                           \
   void NAME##_measure(const HostPass1& a, const TensorDesc& t, const ChunkDesc& c, ChunkPartial& out,         \
                       std::uint64_t (&spill)[kSumLimbs], bool& spilled) {                                     \
@@ -584,42 +661,47 @@ inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, co
     return NAME##_apply_f16(a, t, c);                                                                         \
   }
 
-constexpr bool baseline_is_avx2 = false;
+using baseline_ops = void;  // the portable loops
 HALFSTEP_HOST_VARIANT(baseline, __attribute__((flatten)))
-#if HALFSTEP_HOST_AVX2
-constexpr bool avx2_is_avx2 = true;
+#if HALFSTEP_HOST_X86
+using avx2_ops = Avx2Ops;
 HALFSTEP_HOST_VARIANT(avx2, __attribute__((target("avx2,fma,f16c"), flatten)))
+using avx512_ops = Avx512Ops;
+HALFSTEP_HOST_VARIANT(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"), flatten)))
 #endif
 #undef HALFSTEP_HOST_VARIANT
 
 const HostPasses kBaseline{"baseline", baseline_measure, baseline_apply};
-#if defined(__x86_64__) && defined(__GNUC__)
+#if HALFSTEP_HOST_X86
 const HostPasses kAvx2{"avx2", avx2_measure, avx2_apply};
+const HostPasses kAvx512{"avx512", avx512_measure, avx512_apply};
 #endif
 
 }  // namespace
 
-const HostPasses* host_passes_baseline() { return &kBaseline; }
-
-const HostPasses* host_passes_avx2() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  return &kAvx2;
-#else
-  return nullptr;
+std::vector<const HostPasses*> host_passes_runnable() {
+  std::vector<const HostPasses*> out{&kBaseline};
+#if HALFSTEP_HOST_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    out.push_back(&kAvx2);
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
+      out.push_back(&kAvx512);
+    }
+  }
 #endif
+  return out;
 }
 
 const HostPasses& host_passes() {
   static const HostPasses* chosen = [] {
+    const std::vector<const HostPasses*> runnable = host_passes_runnable();
     const char* forced = std::getenv("HALFSTEP_HOST_ISA");
-    if (forced != nullptr && std::strcmp(forced, "baseline") == 0) return host_passes_baseline();
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-      return host_passes_avx2();
+    for (const HostPasses* p : runnable) {
+      if (forced != nullptr && std::strcmp(forced, p->isa) == 0) return p;
     }
-#endif
-    return host_passes_baseline();
+    return runnable.back();
   }();
   return *chosen;
 }

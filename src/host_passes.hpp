@@ -1,12 +1,14 @@
 // Internal: the host backend's two passes over one chunk of the tensor table, the kernels' own
 // per-element arithmetic (kernels/pass2_element.hpp, block8.hpp, exact_sum.hpp) on the CPU.
-// src/host_passes.cpp is compiled once for the baseline instruction set and, on x86-64, once more
-// for AVX2 with FMA and F16C; the host backend picks one at run time (host_passes()). Every
+// src/host_passes.cpp is compiled once for the baseline instruction set and, on x86-64, twice more:
+// for AVX2 with FMA and F16C, and for AVX-512 (F, BW, DQ, VL); the host backend picks one at run
+// time (host_passes()). Every
 // variant computes the same bits: the arithmetic is IEEE operations written out, with no
 // contraction, and the conversions are exact or rounded to nearest by definition.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "block8.hpp"
 #include "exact_sum.hpp"
@@ -34,7 +36,7 @@ struct HostPass2 {
 
 /// One instruction set's passes.
 struct HostPasses {
-  const char* isa;  // "avx2" or "baseline"
+  const char* isa;  // "baseline", "avx2" or "avx512"
   /// Pass 1 on `chunk` of `tensor`: writes `out`, adds the chunk's out-of-window squares to
   /// `spill` (sets `spilled`).
   void (*measure)(const HostPass1& args, const TensorDesc& tensor, const ChunkDesc& chunk, ChunkPartial& out,
@@ -43,12 +45,12 @@ struct HostPasses {
   std::uint64_t (*apply)(const HostPass2& args, const TensorDesc& tensor, const ChunkDesc& chunk);
 };
 
-/// The variants compiled into the library (null where one is not built).
-const HostPasses* host_passes_baseline();
-const HostPasses* host_passes_avx2();
+/// The variants compiled into the library that this CPU can run, the baseline first, then AVX2
+/// (with FMA and F16C), then AVX-512 (F, BW, DQ and VL besides).
+std::vector<const HostPasses*> host_passes_runnable();
 
-/// The variant this CPU runs: AVX2 where the CPU has AVX2, FMA and F16C and it is built, the
-/// baseline otherwise; HALFSTEP_HOST_ISA=baseline forces the baseline (for tests).
+/// The variant this CPU runs: the last of host_passes_runnable(), unless HALFSTEP_HOST_ISA names
+/// another of them ("baseline", "avx2", "avx512"; for tests and measurements).
 const HostPasses& host_passes();
 
 }  // namespace halfstep::detail

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -158,103 +159,99 @@ Buffers make_buffers(const StepConfig& c, std::mt19937_64& rng, bool with_inf) {
   return b;
 }
 
-bool avx2_runs_here() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  return host_passes_avx2() != nullptr && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
-TEST_CASE("host passes: the baseline and AVX2 variants compute the same bits", "[host]") {
-  if (!avx2_runs_here()) {
-    WARN("this CPU runs no AVX2 variant: only the baseline is checked, against itself");
+TEST_CASE("host passes: the baseline, AVX2 and AVX-512 variants compute the same bits", "[host]") {
+  const std::vector<const HostPasses*> runnable = host_passes_runnable();
+  REQUIRE(std::string(runnable.front()->isa) == "baseline");
+  if (std::getenv("HALFSTEP_HOST_ISA") == nullptr) REQUIRE(&host_passes() == runnable.back());  // the widest
+  if (runnable.size() == 1) {
+    WARN("this CPU runs no vector variant: only the baseline is checked, against itself");
   }
-  const HostPasses& base = *host_passes_baseline();
-  const HostPasses& fast = avx2_runs_here() ? *host_passes_avx2() : base;
-  using MF = MasterFormat;
-  using MoF = MomentFormat;
-  struct F {
-    DType grad, model;
-    MF master;
-    MoF m, v;
-    Rounding rounding;
-  };
-  for (const F f : {F{DType::f16, DType::f16, MF::f32, MoF::f32, MoF::f32, Rounding::stochastic},
-                    F{DType::bf16, DType::bf16, MF::f32, MoF::bf16, MoF::bf16, Rounding::stochastic},
-                    F{DType::f32, DType::bf16, MF::bf16_remainder, MoF::f32, MoF::bf16, Rounding::nearest},
-                    F{DType::bf16, DType::bf16, MF::none, MoF::bf16, MoF::bf16, Rounding::stochastic},
-                    F{DType::f16, DType::f16, MF::f32, MoF::block8, MoF::block8, Rounding::stochastic},
-                    F{DType::bf16, DType::bf16, MF::none, MoF::block8, MoF::block8, Rounding::nearest}}) {
-    for (const bool with_inf : {false, true}) {
-      CAPTURE(dtype_name(f.grad), master_format_name(f.master), moment_format_name(f.m), with_inf);
-      StepConfig c;
-      c.grad_dtype = f.grad;
-      c.model_dtype = f.model;
-      c.state.master = f.master;
-      c.state.exp_avg = f.m;
-      c.state.exp_avg_sq = f.v;
-      c.state.rounding = f.rounding;
-      c.groups.resize(2);
-      c.groups[1].decoupled_weight_decay = false;
-      c.groups[1].weight_decay = 0.01f;
-      std::mt19937_64 rng(7 + static_cast<std::uint64_t>(f.master) * 3 + static_cast<std::uint64_t>(f.m));
-      Buffers a = make_buffers(c, rng, with_inf);
-      Buffers b = a;  // the same bytes, in other buffers
-      for (std::size_t t = 0; t < b.tensors.size(); ++t) {
-        for (int k = 0; k < kSlotCount; ++k) {
-          const auto s = static_cast<Slot>(k);
-          const void* pa = slot_pointer(a.tensors[t], s);
-          if (pa == nullptr) continue;
-          for (std::size_t i = 0; i < a.bytes.size(); ++i) {
-            if (pa == a.bytes[i].data()) {
-              if (s == Slot::grad) {
-                b.tensors[t].grad = b.bytes[i].data();
-              } else {
-                set_slot_pointer(b.tensors[t], s, b.bytes[i].data());
+  const HostPasses& base = *runnable.front();
+  for (std::size_t variant = runnable.size() == 1 ? 0 : 1; variant < runnable.size(); ++variant) {
+    const HostPasses& fast = *runnable[variant];
+    CAPTURE(fast.isa);
+    using MF = MasterFormat;
+    using MoF = MomentFormat;
+    struct F {
+      DType grad, model;
+      MF master;
+      MoF m, v;
+      Rounding rounding;
+    };
+    for (const F f : {F{DType::f16, DType::f16, MF::f32, MoF::f32, MoF::f32, Rounding::stochastic},
+                      F{DType::bf16, DType::bf16, MF::f32, MoF::bf16, MoF::bf16, Rounding::stochastic},
+                      F{DType::f32, DType::bf16, MF::bf16_remainder, MoF::f32, MoF::bf16, Rounding::nearest},
+                      F{DType::bf16, DType::bf16, MF::none, MoF::bf16, MoF::bf16, Rounding::stochastic},
+                      F{DType::f16, DType::f16, MF::f32, MoF::block8, MoF::block8, Rounding::stochastic},
+                      F{DType::bf16, DType::bf16, MF::none, MoF::block8, MoF::block8, Rounding::nearest}}) {
+      for (const bool with_inf : {false, true}) {
+        CAPTURE(dtype_name(f.grad), master_format_name(f.master), moment_format_name(f.m), with_inf);
+        StepConfig c;
+        c.grad_dtype = f.grad;
+        c.model_dtype = f.model;
+        c.state.master = f.master;
+        c.state.exp_avg = f.m;
+        c.state.exp_avg_sq = f.v;
+        c.state.rounding = f.rounding;
+        c.groups.resize(2);
+        c.groups[1].decoupled_weight_decay = false;
+        c.groups[1].weight_decay = 0.01f;
+        std::mt19937_64 rng(7 + static_cast<std::uint64_t>(f.master) * 3 + static_cast<std::uint64_t>(f.m));
+        Buffers a = make_buffers(c, rng, with_inf);
+        Buffers b = a;  // the same bytes, in other buffers
+        for (std::size_t t = 0; t < b.tensors.size(); ++t) {
+          for (int k = 0; k < kSlotCount; ++k) {
+            const auto s = static_cast<Slot>(k);
+            const void* pa = slot_pointer(a.tensors[t], s);
+            if (pa == nullptr) continue;
+            for (std::size_t i = 0; i < a.bytes.size(); ++i) {
+              if (pa == a.bytes[i].data()) {
+                if (s == Slot::grad) {
+                  b.tensors[t].grad = b.bytes[i].data();
+                } else {
+                  set_slot_pointer(b.tensors[t], s, b.bytes[i].data());
+                }
               }
             }
           }
+          for (std::size_t i = 0; i < a.bytes.size(); ++i) {
+            if (a.tensors[t].exp_avg_scale == static_cast<void*>(a.bytes[i].data())) b.tensors[t].exp_avg_scale = reinterpret_cast<float*>(b.bytes[i].data());
+            if (a.tensors[t].exp_avg_sq_scale == static_cast<void*>(a.bytes[i].data())) b.tensors[t].exp_avg_sq_scale = reinterpret_cast<float*>(b.bytes[i].data());
+          }
         }
-        for (std::size_t i = 0; i < a.bytes.size(); ++i) {
-          if (a.tensors[t].exp_avg_scale == static_cast<void*>(a.bytes[i].data())) b.tensors[t].exp_avg_scale = reinterpret_cast<float*>(b.bytes[i].data());
-          if (a.tensors[t].exp_avg_sq_scale == static_cast<void*>(a.bytes[i].data())) b.tensors[t].exp_avg_sq_scale = reinterpret_cast<float*>(b.bytes[i].data());
+        const TensorTable ta = build_tensor_table(a.tensors, c), tb = build_tensor_table(b.tensors, c);
+        // Pass 1 on every chunk: the same partials and spilled limbs.
+        for (std::uint32_t hint : {0x3C00u, 0x0400u, 0x7000u}) {
+          const HostPass1 args{c.grad_dtype, square_split(c.grad_dtype, hint), f32_pattern(format_info(measured_dtype(c)).min_normal)};
+          std::uint64_t spill_a[kSumLimbs] = {}, spill_b[kSumLimbs] = {};
+          bool any_a = false, any_b = false;
+          for (std::size_t k = 0; k < ta.chunks.size(); ++k) {
+            ChunkPartial pa{}, pb{};
+            base.measure(args, ta.tensors[static_cast<std::size_t>(ta.chunks[k].tensor)], ta.chunks[k], pa, spill_a, any_a);
+            fast.measure(args, tb.tensors[static_cast<std::size_t>(tb.chunks[k].tensor)], tb.chunks[k], pb, spill_b, any_b);
+            REQUIRE(std::memcmp(&pa, &pb, sizeof pa) == 0);
+          }
+          REQUIRE(any_a == any_b);
+          REQUIRE(std::equal(spill_a, spill_a + kSumLimbs, spill_b));
         }
-      }
-      const TensorTable ta = build_tensor_table(a.tensors, c), tb = build_tensor_table(b.tensors, c);
-      // Pass 1 on every chunk: the same partials and spilled limbs.
-      for (std::uint32_t hint : {0x3C00u, 0x0400u, 0x7000u}) {
-        const HostPass1 args{c.grad_dtype, square_split(c.grad_dtype, hint), f32_pattern(format_info(measured_dtype(c)).min_normal)};
-        std::uint64_t spill_a[kSumLimbs] = {}, spill_b[kSumLimbs] = {};
-        bool any_a = false, any_b = false;
+        // Pass 2 on every chunk: the same bytes everywhere, and the same elements held.
+        Decision d{};
+        d.apply = 1;
+        set_coefficient(d, 0.7 / 100.0);
+        d.rounding_key = step_key(99, 3);
+        std::vector<GroupConsts> consts;
+        for (const AdamWConfig& h : c.groups) consts.push_back(group_consts(group_params(h), 1e-3f, 3));
+        const HostPass2 args{c.grad_dtype, c.model_dtype, c.state, d, consts.data(), &kSignedCodec8, &kUnsignedCodec8};
+        std::uint64_t held_a = 0, held_b = 0;
         for (std::size_t k = 0; k < ta.chunks.size(); ++k) {
-          ChunkPartial pa{}, pb{};
-          base.measure(args, ta.tensors[static_cast<std::size_t>(ta.chunks[k].tensor)], ta.chunks[k], pa, spill_a, any_a);
-          fast.measure(args, tb.tensors[static_cast<std::size_t>(tb.chunks[k].tensor)], tb.chunks[k], pb, spill_b, any_b);
-          REQUIRE(std::memcmp(&pa, &pb, sizeof pa) == 0);
+          held_a += base.apply(args, ta.tensors[static_cast<std::size_t>(ta.chunks[k].tensor)], ta.chunks[k]);
+          held_b += fast.apply(args, tb.tensors[static_cast<std::size_t>(tb.chunks[k].tensor)], tb.chunks[k]);
         }
-        REQUIRE(any_a == any_b);
-        REQUIRE(std::equal(spill_a, spill_a + kSumLimbs, spill_b));
+        REQUIRE(held_a == held_b);
+        for (std::size_t i = 0; i < a.bytes.size(); ++i) REQUIRE(a.bytes[i] == b.bytes[i]);
       }
-      // Pass 2 on every chunk: the same bytes everywhere, and the same elements held.
-      Decision d{};
-      d.apply = 1;
-      set_coefficient(d, 0.7 / 100.0);
-      d.rounding_key = step_key(99, 3);
-      std::vector<GroupConsts> consts;
-      for (const AdamWConfig& h : c.groups) consts.push_back(group_consts(group_params(h), 1e-3f, 3));
-      const HostPass2 args{c.grad_dtype, c.model_dtype, c.state, d, consts.data(), &kSignedCodec8, &kUnsignedCodec8};
-      std::uint64_t held_a = 0, held_b = 0;
-      for (std::size_t k = 0; k < ta.chunks.size(); ++k) {
-        held_a += base.apply(args, ta.tensors[static_cast<std::size_t>(ta.chunks[k].tensor)], ta.chunks[k]);
-        held_b += fast.apply(args, tb.tensors[static_cast<std::size_t>(tb.chunks[k].tensor)], tb.chunks[k]);
-      }
-      REQUIRE(held_a == held_b);
-      for (std::size_t i = 0; i < a.bytes.size(); ++i) REQUIRE(a.bytes[i] == b.bytes[i]);
     }
   }
 }

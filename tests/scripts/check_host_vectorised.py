@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Reads the generated code of the host backend's passes (src/host_passes.cpp's object) and fails
 unless the compiler vectorised them: each AVX2 entry point's code must hold 256-bit vector
-arithmetic — pass 2 (apply) packed-single fused multiply-adds, square roots and divisions, pass 1
-(measure) packed-double fused multiply-adds — and the baseline entry points none of AVX's
-instructions (they run on any x86-64). Skipped (exit 77) where the library has no AVX2 variant
-(not x86-64) or objdump is missing.
+arithmetic and each AVX-512 entry point's 512-bit arithmetic — pass 2 (apply) packed-single fused
+multiply-adds, square roots and divisions, pass 1 (measure) packed-double fused multiply-adds —
+and the baseline entry points none of AVX's instructions (they run on any x86-64). Skipped
+(exit 77) where the library has no vector variants (not x86-64) or objdump is missing.
 
 usage: check_host_vectorised.py OBJECT..."""
 import re
@@ -33,23 +33,25 @@ def main():
     text = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", objects[0]], check=True,
                           capture_output=True, text=True).stdout
     funcs = functions(text)
-    avx2 = {n: body for n, body in funcs.items() if re.search(r"avx2_(apply|measure)_(f16|bf16|f32)\b", n)}
-    if not avx2:
-        print("SKIPPED: this build has no AVX2 variant")
-        sys.exit(77)
     failed = []
-    for kind in ("apply", "measure"):
-        for fmt in ("f16", "bf16", "f32"):
-            name = next((n for n in avx2 if re.search(r"avx2_%s_%s\b" % (kind, fmt), n)), None)
-            body = avx2.get(name, [])
-            ymm = sum("ymm" in i for i in body)
-            need = [r"vfmadd\w*ps.*ymm", r"vsqrtps.*ymm", r"vdivps.*ymm"] if kind == "apply" else [r"vfmadd\w*pd.*ymm"]
-            missing = [p for p in need if not any(re.search(p, i) for i in body)]
-            print("%s, %s gradients: %d instructions, %d on 256-bit registers%s" % (
-                "pass 2" if kind == "apply" else "pass 1", fmt, len(body), ymm,
-                "" if not missing else "; missing " + ", ".join(missing)))
-            if ymm < 50 or missing:
-                failed.append("%s %s" % (kind, fmt))
+    for isa, reg in (("avx2", "ymm"), ("avx512", "zmm")):
+        entries = {n: body for n, body in funcs.items() if re.search(r"\b%s_(apply|measure)_(f16|bf16|f32)\b" % isa, n)}
+        if not entries:
+            print("SKIPPED: this build has no %s variant" % isa)
+            sys.exit(77)
+        for kind in ("apply", "measure"):
+            for fmt in ("f16", "bf16", "f32"):
+                name = next((n for n in entries if re.search(r"\b%s_%s_%s\b" % (isa, kind, fmt), n)), None)
+                body = entries.get(name, [])
+                wide = sum(reg in i for i in body)
+                need = ([r"vfmadd\w*ps.*" + reg, r"vsqrtps.*" + reg, r"vdivps.*" + reg] if kind == "apply"
+                        else [r"vfmadd\w*pd.*" + reg])
+                missing = [p for p in need if not any(re.search(p, i) for i in body)]
+                print("%s, pass %s, %s gradients: %d instructions, %d on %s registers%s" % (
+                    isa, "2" if kind == "apply" else "1", fmt, len(body), wide, reg,
+                    "" if not missing else "; missing " + ", ".join(missing)))
+                if wide < 50 or missing:
+                    failed.append("%s %s %s" % (isa, kind, fmt))
     for n, body in funcs.items():
         if re.search(r"baseline_(apply|measure)_(f16|bf16|f32)\b", n) and any("ymm" in i or i.startswith("v") for i in body):
             failed.append("baseline %s uses AVX" % n)
