@@ -13,6 +13,7 @@
 // the kernels fuse), exact conversions, and integer sums.
 #include "host_passes.hpp"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -162,199 +163,96 @@ inline Measured measure_portable(const Word* words, int n, const SquareSplit& sp
 }
 
 #if HALFSTEP_HOST_X86
-// Vectors pass between the functions below and measure_simd, which carries no target attribute:
-// GCC warns that such a call's ABI depends on the instruction set. There is no such call in the
-// library: measure_simd<.., Ops> is only called from a variant compiled for Ops' instruction set,
-// which inlines all of it (flatten).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-
+// Pass 1's vector loop is written once (host_measure_simd.inc) over a small set of vector
+// operations and compiled twice, each time inside a `#pragma GCC target` region with that set's
+// operations, so that the loop and everything it calls are compiled for one instruction set, even
+// where nothing is inlined (at -O0, `flatten` does nothing): no vector ever passes between code
+// compiled for two instruction sets, whose calling conventions for vectors differ.
+//
 // The vector operations pass 1's intrinsics loop uses, for AVX2 (8 lanes of 32 bits, comparisons
-// as lanes of all ones) and AVX-512 (16 lanes, comparisons as mask registers). Each struct's
-// functions carry its target attribute, so they inline only into that variant's code.
-#define HALFSTEP_AVX2_OPS __attribute__((target("avx2,fma"))) static inline
+// as lanes of all ones) and AVX-512 (16 lanes, comparisons as mask registers).
+#define HALFSTEP_SIMD_OP __attribute__((always_inline)) static inline
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
 struct Avx2Ops {
   static constexpr int kLanes = 8;
   using I = __m256i;
   using D = __m256d;
   using Mask = __m256i;
-  HALFSTEP_AVX2_OPS I load32(const std::uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  HALFSTEP_AVX2_OPS I load16(const std::uint16_t* p) {
+  HALFSTEP_SIMD_OP I load32(const std::uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  HALFSTEP_SIMD_OP I load16(const std::uint16_t* p) {
     return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  HALFSTEP_AVX2_OPS I set1(std::uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
-  HALFSTEP_AVX2_OPS I zero() { return _mm256_setzero_si256(); }
-  HALFSTEP_AVX2_OPS I bit_and(I a, I b) { return _mm256_and_si256(a, b); }
-  HALFSTEP_AVX2_OPS I shl16(I a) { return _mm256_slli_epi32(a, 16); }
-  HALFSTEP_AVX2_OPS I max_u(I a, I b) { return _mm256_max_epu32(a, b); }
+  HALFSTEP_SIMD_OP I set1(std::uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
+  HALFSTEP_SIMD_OP I zero() { return _mm256_setzero_si256(); }
+  HALFSTEP_SIMD_OP I bit_and(I a, I b) { return _mm256_and_si256(a, b); }
+  HALFSTEP_SIMD_OP I shl16(I a) { return _mm256_slli_epi32(a, 16); }
+  HALFSTEP_SIMD_OP I max_u(I a, I b) { return _mm256_max_epu32(a, b); }
   // (signed compares: every pattern the loop compares lies below 2^31)
-  HALFSTEP_AVX2_OPS Mask equal(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
-  HALFSTEP_AVX2_OPS Mask greater(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
-  HALFSTEP_AVX2_OPS Mask both(Mask a, Mask b) { return _mm256_and_si256(a, b); }
-  HALFSTEP_AVX2_OPS I count(I counts, Mask m) { return _mm256_sub_epi32(counts, m); }  // +1 where m holds
-  HALFSTEP_AVX2_OPS I keep(Mask m, I a) { return _mm256_and_si256(a, m); }             // a where m holds, else 0
+  HALFSTEP_SIMD_OP Mask equal(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
+  HALFSTEP_SIMD_OP Mask greater(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
+  HALFSTEP_SIMD_OP Mask both(Mask a, Mask b) { return _mm256_and_si256(a, b); }
+  HALFSTEP_SIMD_OP I count(I counts, Mask m) { return _mm256_sub_epi32(counts, m); }  // +1 where m holds
+  HALFSTEP_SIMD_OP I keep(Mask m, I a) { return _mm256_and_si256(a, m); }             // a where m holds, else 0
   /// The lanes' 32-bit patterns as floats, widened to doubles: lanes [0, 4) and [4, 8).
-  HALFSTEP_AVX2_OPS D low_half(I a) { return _mm256_cvtps_pd(_mm256_castps256_ps128(_mm256_castsi256_ps(a))); }
-  HALFSTEP_AVX2_OPS D high_half(I a) { return _mm256_cvtps_pd(_mm256_extractf128_ps(_mm256_castsi256_ps(a), 1)); }
-  HALFSTEP_AVX2_OPS D dzero() { return _mm256_setzero_pd(); }
-  HALFSTEP_AVX2_OPS D dset1(double v) { return _mm256_set1_pd(v); }
-  HALFSTEP_AVX2_OPS D add(D a, D b) { return _mm256_add_pd(a, b); }
-  HALFSTEP_AVX2_OPS D sub(D a, D b) { return _mm256_sub_pd(a, b); }
-  HALFSTEP_AVX2_OPS D fmadd(D a, D b, D c) { return _mm256_fmadd_pd(a, b, c); }
-  HALFSTEP_AVX2_OPS D fmsub(D a, D b, D c) { return _mm256_fmsub_pd(a, b, c); }
-  HALFSTEP_AVX2_OPS void store(std::uint32_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
-  HALFSTEP_AVX2_OPS void dstore(double* p, D a) { _mm256_storeu_pd(p, a); }
+  HALFSTEP_SIMD_OP D low_half(I a) { return _mm256_cvtps_pd(_mm256_castps256_ps128(_mm256_castsi256_ps(a))); }
+  HALFSTEP_SIMD_OP D high_half(I a) { return _mm256_cvtps_pd(_mm256_extractf128_ps(_mm256_castsi256_ps(a), 1)); }
+  HALFSTEP_SIMD_OP D dzero() { return _mm256_setzero_pd(); }
+  HALFSTEP_SIMD_OP D dset1(double v) { return _mm256_set1_pd(v); }
+  HALFSTEP_SIMD_OP D add(D a, D b) { return _mm256_add_pd(a, b); }
+  HALFSTEP_SIMD_OP D sub(D a, D b) { return _mm256_sub_pd(a, b); }
+  HALFSTEP_SIMD_OP D fmadd(D a, D b, D c) { return _mm256_fmadd_pd(a, b, c); }
+  HALFSTEP_SIMD_OP D fmsub(D a, D b, D c) { return _mm256_fmsub_pd(a, b, c); }
+  HALFSTEP_SIMD_OP void store(std::uint32_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
+  HALFSTEP_SIMD_OP void dstore(double* p, D a) { _mm256_storeu_pd(p, a); }
 };
-#undef HALFSTEP_AVX2_OPS
+#define HALFSTEP_SIMD_OPS Avx2Ops
+#define HALFSTEP_SIMD_MEASURE measure_avx2
+#include "host_measure_simd.inc"
+#undef HALFSTEP_SIMD_MEASURE
+#undef HALFSTEP_SIMD_OPS
+#pragma GCC pop_options
 
-#define HALFSTEP_AVX512_OPS __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))) static inline
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
 struct Avx512Ops {
   static constexpr int kLanes = 16;
   using I = __m512i;
   using D = __m512d;
   using Mask = __mmask16;
-  HALFSTEP_AVX512_OPS I load32(const std::uint32_t* p) { return _mm512_loadu_si512(p); }
-  HALFSTEP_AVX512_OPS I load16(const std::uint16_t* p) {
+  HALFSTEP_SIMD_OP I load32(const std::uint32_t* p) { return _mm512_loadu_si512(p); }
+  HALFSTEP_SIMD_OP I load16(const std::uint16_t* p) {
     return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  HALFSTEP_AVX512_OPS I set1(std::uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
-  HALFSTEP_AVX512_OPS I zero() { return _mm512_setzero_si512(); }
-  HALFSTEP_AVX512_OPS I bit_and(I a, I b) { return _mm512_and_si512(a, b); }
-  HALFSTEP_AVX512_OPS I shl16(I a) { return _mm512_slli_epi32(a, 16); }
-  HALFSTEP_AVX512_OPS I max_u(I a, I b) { return _mm512_max_epu32(a, b); }
-  HALFSTEP_AVX512_OPS Mask equal(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
-  HALFSTEP_AVX512_OPS Mask greater(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
-  HALFSTEP_AVX512_OPS Mask both(Mask a, Mask b) { return static_cast<Mask>(a & b); }
-  HALFSTEP_AVX512_OPS I count(I counts, Mask m) { return _mm512_mask_sub_epi32(counts, m, counts, _mm512_set1_epi32(-1)); }
-  HALFSTEP_AVX512_OPS I keep(Mask m, I a) { return _mm512_maskz_mov_epi32(m, a); }
-  HALFSTEP_AVX512_OPS D low_half(I a) { return _mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_castsi512_ps(a))); }
-  HALFSTEP_AVX512_OPS D high_half(I a) { return _mm512_cvtps_pd(_mm512_extractf32x8_ps(_mm512_castsi512_ps(a), 1)); }
-  HALFSTEP_AVX512_OPS D dzero() { return _mm512_setzero_pd(); }
-  HALFSTEP_AVX512_OPS D dset1(double v) { return _mm512_set1_pd(v); }
-  HALFSTEP_AVX512_OPS D add(D a, D b) { return _mm512_add_pd(a, b); }
-  HALFSTEP_AVX512_OPS D sub(D a, D b) { return _mm512_sub_pd(a, b); }
-  HALFSTEP_AVX512_OPS D fmadd(D a, D b, D c) { return _mm512_fmadd_pd(a, b, c); }
-  HALFSTEP_AVX512_OPS D fmsub(D a, D b, D c) { return _mm512_fmsub_pd(a, b, c); }
-  HALFSTEP_AVX512_OPS void store(std::uint32_t* p, I a) { _mm512_storeu_si512(p, a); }
-  HALFSTEP_AVX512_OPS void dstore(double* p, D a) { _mm512_storeu_pd(p, a); }
+  HALFSTEP_SIMD_OP I set1(std::uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+  HALFSTEP_SIMD_OP I zero() { return _mm512_setzero_si512(); }
+  HALFSTEP_SIMD_OP I bit_and(I a, I b) { return _mm512_and_si512(a, b); }
+  HALFSTEP_SIMD_OP I shl16(I a) { return _mm512_slli_epi32(a, 16); }
+  HALFSTEP_SIMD_OP I max_u(I a, I b) { return _mm512_max_epu32(a, b); }
+  HALFSTEP_SIMD_OP Mask equal(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  HALFSTEP_SIMD_OP Mask greater(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
+  HALFSTEP_SIMD_OP Mask both(Mask a, Mask b) { return static_cast<Mask>(a & b); }
+  HALFSTEP_SIMD_OP I count(I counts, Mask m) { return _mm512_mask_sub_epi32(counts, m, counts, _mm512_set1_epi32(-1)); }
+  HALFSTEP_SIMD_OP I keep(Mask m, I a) { return _mm512_maskz_mov_epi32(m, a); }
+  HALFSTEP_SIMD_OP D low_half(I a) { return _mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_castsi512_ps(a))); }
+  HALFSTEP_SIMD_OP D high_half(I a) { return _mm512_cvtps_pd(_mm512_extractf32x8_ps(_mm512_castsi512_ps(a), 1)); }
+  HALFSTEP_SIMD_OP D dzero() { return _mm512_setzero_pd(); }
+  HALFSTEP_SIMD_OP D dset1(double v) { return _mm512_set1_pd(v); }
+  HALFSTEP_SIMD_OP D add(D a, D b) { return _mm512_add_pd(a, b); }
+  HALFSTEP_SIMD_OP D sub(D a, D b) { return _mm512_sub_pd(a, b); }
+  HALFSTEP_SIMD_OP D fmadd(D a, D b, D c) { return _mm512_fmadd_pd(a, b, c); }
+  HALFSTEP_SIMD_OP D fmsub(D a, D b, D c) { return _mm512_fmsub_pd(a, b, c); }
+  HALFSTEP_SIMD_OP void store(std::uint32_t* p, I a) { _mm512_storeu_si512(p, a); }
+  HALFSTEP_SIMD_OP void dstore(double* p, D a) { _mm512_storeu_pd(p, a); }
 };
-#undef HALFSTEP_AVX512_OPS
-
-/// Pass 1's loop over `n` bf16 or f32 gradient words in a vector variant (Ops: Avx2Ops or
-/// Avx512Ops), written with intrinsics (one read of the chunk; the compiler does not add fp64
-/// sums as vectors without reordering them): the counts and largest pattern measure_chunk's
-/// portable loops take, and the squares of the window's values split into parts. A lane of fp64
-/// accumulators adds one part of every kLanes-th square, as the kernel's threads add theirs: at
-/// most kMaxPerThread of them make an exact integer in the part's unit (exact_sum.hpp), counted
-/// into `sum` every kLanes · kMaxPerThread words. Called only from functions compiled for Ops'
-/// instruction set.
-template <DType kGrad, int kParts, class Ops>
-inline Measured measure_simd(const void* words, int n, const SquareSplit& split, std::uint32_t normal) {
-  static_assert(kGrad == DType::f32 || kGrad == DType::bf16, "f16 takes the portable loops");
-  constexpr int L = Ops::kLanes;
-  constexpr std::uint32_t kMag = kGrad == DType::f32 ? 0x7FFFFFFFu : 0x7FFFu;
-  constexpr std::uint32_t kInf = kGrad == DType::f32 ? 0x7F800000u : 0x7F80u;
-  using Word = std::conditional_t<kGrad == DType::f32, std::uint32_t, std::uint16_t>;
-  const Word* const w = static_cast<const Word*>(words);
-  using I = typename Ops::I;
-  using D = typename Ops::D;
-  const I mag_mask = Ops::set1(kMag);
-  const I zero = Ops::zero();
-  const I low_less1 = Ops::set1(split.low - 1u);
-  const I high = Ops::set1(split.high);
-  const I normal_v = Ops::set1(normal);
-  const D m0 = Ops::dset1(split.magic[0]), m1 = Ops::dset1(split.magic[1]);
-  double inverse_unit[3] = {0.0, 0.0, 0.0};  // 2^-unit: a part's sum times it is its count
-  for (int k = 0; k < kParts; ++k) inverse_unit[k] = ::ldexp(1.0, -split.unit_log2[k]);
-  // Counts per lane (at most 2^15 / 8 a lane): the loop counts what the others follow from. A
-  // nonzero finite pattern lies below the window, in it or above it (the window [low, high)
-  // starts above zero and ends at infinity or below), so the count outside the window is the
-  // nonzero finite count less the count in it; zero is below the smallest normal; and inf/NaN are
-  // counted after the loop, only where the largest pattern says there is one.
-  I max_v = zero, zeros_v = zero, below_normal_v = zero, in_v = zero;
-  Measured r;
-  int i = 0;
-  for (int g0 = 0; g0 + L <= n; g0 = i) {
-    const int g_end = n - g0 < L * kMaxPerThread ? n - (n - g0) % L : g0 + L * kMaxPerThread;
-    D acc[kParts][2];
-    for (int k = 0; k < kParts; ++k) acc[k][0] = acc[k][1] = Ops::dzero();
-    for (i = g0; i < g_end; i += L) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPass1Prefetch, _MM_HINT_T0);
-      I word;
-      if constexpr (kGrad == DType::f32) {
-        word = Ops::load32(w + i);
-      } else {
-        word = Ops::load16(w + i);
-      }
-      const I mag = Ops::bit_and(word, mag_mask);
-      max_v = Ops::max_u(max_v, mag);  // inf and NaN lie above every finite pattern
-      zeros_v = Ops::count(zeros_v, Ops::equal(mag, zero));
-      below_normal_v = Ops::count(below_normal_v, Ops::greater(normal_v, mag));
-      const auto in = Ops::both(Ops::greater(mag, low_less1), Ops::greater(high, mag));
-      in_v = Ops::count(in_v, in);
-      const I bits = Ops::keep(in, kGrad == DType::f32 ? mag : Ops::shl16(mag));  // |x| in the window, else 0 (adds 0)
-      const D x[2] = {Ops::low_half(bits), Ops::high_half(bits)};
-      for (int h = 0; h < 2; ++h) {
-        const D hi = Ops::sub(Ops::fmadd(x[h], x[h], m0), m0);  // x² to a multiple of the first split
-        const D rest = Ops::fmsub(x[h], x[h], hi);              // x² - hi, exactly
-        acc[0][h] = Ops::add(acc[0][h], hi);
-        if constexpr (kParts == 2) {
-          acc[1][h] = Ops::add(acc[1][h], rest);
-        } else {
-          const D mid = Ops::sub(Ops::add(rest, m1), m1);  // rest to a multiple of the second
-          acc[1][h] = Ops::add(acc[1][h], mid);
-          acc[2][h] = Ops::add(acc[2][h], Ops::sub(rest, mid));
-        }
-      }
-    }
-    for (int k = 0; k < kParts; ++k) {
-      double lanes[L];
-      Ops::dstore(lanes, acc[k][0]);
-      Ops::dstore(lanes + L / 2, acc[k][1]);
-      for (int l = 0; l < L; ++l) r.sum[k] += static_cast<std::int64_t>(lanes[l] * inverse_unit[k]);  // exact
-    }
-  }
-  std::uint32_t lane[4][L];
-  Ops::store(lane[0], max_v);
-  Ops::store(lane[1], zeros_v);
-  Ops::store(lane[2], below_normal_v);
-  Ops::store(lane[3], in_v);
-  std::uint32_t zeros = 0, below_normal = 0, in = 0;
-  for (int l = 0; l < L; ++l) {
-    r.max_all = lane[0][l] > r.max_all ? lane[0][l] : r.max_all;
-    zeros += lane[1][l];
-    below_normal += lane[2][l];
-    in += lane[3][l];
-  }
-  // The last n % kLanes words, one at a time (each square's parts alone are exact integers).
-  for (; i < n; ++i) {
-    const std::uint32_t mag = w[i] & kMag;
-    r.max_all = mag > r.max_all ? mag : r.max_all;
-    zeros += mag == 0 ? 1u : 0u;
-    below_normal += mag < normal ? 1u : 0u;
-    if (mag < split.low || mag >= split.high) continue;
-    ++in;
-    const double x = static_cast<double>(float_of(kGrad == DType::f32 ? mag : mag << 16));
-    const double hi = ::fma(x, x, split.magic[0]) - split.magic[0];
-    const double rest = ::fma(x, x, -hi);
-    r.sum[0] += static_cast<std::int64_t>(hi * inverse_unit[0]);
-    if constexpr (kParts == 2) {
-      r.sum[1] += static_cast<std::int64_t>(rest * inverse_unit[1]);
-    } else {
-      const double mid = (rest + split.magic[1]) - split.magic[1];
-      r.sum[1] += static_cast<std::int64_t>(mid * inverse_unit[1]);
-      r.sum[2] += static_cast<std::int64_t>((rest - mid) * inverse_unit[2]);
-    }
-  }
-  if (r.max_all >= kInf) {  // rare: the step will be skipped
-    for (int j = 0; j < n; ++j) r.nonfinite += (w[j] & kMag) >= kInf ? 1u : 0u;
-  }
-  r.nonzero = static_cast<std::uint32_t>(n) - zeros;
-  r.subnormal = below_normal - zeros;
-  r.outside = r.nonzero - r.nonfinite - in;
-  return r;
-}
-#pragma GCC diagnostic pop
+#define HALFSTEP_SIMD_OPS Avx512Ops
+#define HALFSTEP_SIMD_MEASURE measure_avx512
+#include "host_measure_simd.inc"
+#undef HALFSTEP_SIMD_MEASURE
+#undef HALFSTEP_SIMD_OPS
+#pragma GCC pop_options
+#undef HALFSTEP_SIMD_OP
 #endif
 
 // Pass 1 on one chunk: the kernel's split of each square (exact_sum.hpp) into parts at fixed
@@ -376,12 +274,14 @@ inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const Ch
   const std::uint32_t normal = kGrad == DType::f32 ? a.normal_bits : format_bits(kGrad).exponent_lsb;
   const std::uint32_t low = split.low, high = split.high;
   Measured r;
-  if constexpr (!std::is_void_v<Ops> && kGrad != DType::f16) {
-#if HALFSTEP_HOST_X86
-    r = measure_simd<kGrad, kParts, Ops>(words, n, split, normal);  // one loop, with intrinsics
-#endif
-  } else {
+  if constexpr (Ops::kLanes == 0 || kGrad == DType::f16) {
     r = measure_portable<kGrad>(words, n, split, normal);
+#if HALFSTEP_HOST_X86
+  } else if constexpr (Ops::kLanes == 8) {  // one loop, with intrinsics
+    r = measure_avx2<kGrad, kParts>(words, n, split, normal);
+  } else {
+    r = measure_avx512<kGrad, kParts>(words, n, split, normal);
+#endif
   }
   const std::uint32_t max_all = r.max_all, nonfinite = r.nonfinite, nonzero = r.nonzero, subnormal = r.subnormal,
                       outside = r.outside;
@@ -661,7 +561,10 @@ inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, co
     return NAME##_apply_f16(a, t, c);                                                                         \
   }
 
-using baseline_ops = void;  // the portable loops
+struct BaselineOps {
+  static constexpr int kLanes = 0;  // the portable loops
+};
+using baseline_ops = BaselineOps;
 HALFSTEP_HOST_VARIANT(baseline, __attribute__((flatten)))
 #if HALFSTEP_HOST_X86
 using avx2_ops = Avx2Ops;
@@ -698,9 +601,12 @@ const HostPasses& host_passes() {
   static const HostPasses* chosen = [] {
     const std::vector<const HostPasses*> runnable = host_passes_runnable();
     const char* forced = std::getenv("HALFSTEP_HOST_ISA");
+    if (forced == nullptr || *forced == '\0') return runnable.back();
     for (const HostPasses* p : runnable) {
-      if (forced != nullptr && std::strcmp(forced, p->isa) == 0) return p;
+      if (std::strcmp(forced, p->isa) == 0) return p;
     }
+    std::fprintf(stderr, "halfstep: HALFSTEP_HOST_ISA=%s names no variant this CPU runs; running %s\n", forced,
+                 runnable.back()->isa);
     return runnable.back();
   }();
   return *chosen;

@@ -50,7 +50,8 @@ struct HostPasses {
 std::vector<const HostPasses*> host_passes_runnable();
 
 /// The variant this CPU runs: the last of host_passes_runnable(), unless HALFSTEP_HOST_ISA names
-/// another of them ("baseline", "avx2", "avx512"; for tests and measurements).
+/// another of them ("baseline", "avx2", "avx512"; for tests and measurements; a name this CPU does
+/// not run is said on stderr, once, and the widest runs).
 const HostPasses& host_passes();
 
 }  // namespace halfstep::detail

@@ -167,6 +167,8 @@ TEST_CASE("host passes: the baseline, AVX2 and AVX-512 variants compute the same
   if (std::getenv("HALFSTEP_HOST_ISA") == nullptr) REQUIRE(&host_passes() == runnable.back());  // the widest
   if (runnable.size() == 1) {
     WARN("this CPU runs no vector variant: only the baseline is checked, against itself");
+  } else if (runnable.size() == 2) {
+    WARN("this CPU runs no AVX-512 variant: it is not checked here");
   }
   const HostPasses& base = *runnable.front();
   for (std::size_t variant = runnable.size() == 1 ? 0 : 1; variant < runnable.size(); ++variant) {
