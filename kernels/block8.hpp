@@ -214,6 +214,33 @@ HALFSTEP_HD inline int guess_entry8(float x) {
   return static_cast<int>(bits_of(y) >> (23 - kGuessBits8)) - (kGuessLowest8 << kGuessBits8);
 }
 
+/// The magnitude index a guess table entry `g` gives |x| = y: the entry's own, or the next where y
+/// is at or past the one boundary the entry may hold.
+HALFSTEP_HD inline int guessed8(const Guess8& g, float y) { return g.index + (y >= g.next ? 1 : 0); }
+
+/// Stochastic rounding's last step: 1 where y, between s.lo (its floor) and the next magnitude,
+/// goes up, with probability (y - lo) / gap from 16 random bits (`random`'s low half). s.gap is
+/// +inf above 1: never up.
+HALFSTEP_HD inline int rounds_up8(const Step8& s, float y, std::uint32_t random) {
+  // u = (r + 1/2)·2^-16, r uniform in [0, 2^16), made exactly as 1 + u in fp32's fraction bits
+  // less 1: P(u·gap < y - lo) = (y - lo) / gap.
+  const float u = float_of(0x3F800040u | (random & 0xFFFFu) << 7) - 1.0f;
+  return y - s.lo > s.gap * u ? 1 : 0;
+}
+
+/// The code of magnitude index p for x (see encode8_as for `positive`).
+template <bool kSigned>
+HALFSTEP_HD inline std::uint8_t code8_as(int p, float x, bool positive) {
+  // Selects, no branch: the host's loops of it vectorise.
+  p = positive & (p == 0) ? 1 : p;
+  if constexpr (!kSigned) {
+    return static_cast<std::uint8_t>(p);
+  } else {
+    const int negative = kSignedZero8 - (p < kSignedZero8 ? p : kSignedZero8);
+    return static_cast<std::uint8_t>(x < 0.0f ? negative : kSignedZero8 + p);
+  }
+}
+
 /// The code of `x`, a value already divided by its block's absmax (|x| <= 1 up to the rounding of
 /// that division; beyond the map's ends the end codes), encoded by its magnitude: to the nearest
 /// value, a tie to the smaller magnitude; or stochastically, to the larger of the two magnitudes
@@ -223,32 +250,20 @@ HALFSTEP_HD inline int guess_entry8(float x) {
 /// unsigned map only): the value was positive before its division by the absmax, which may have
 /// flushed it to 0, and must not encode to code 0, the map's 0; it takes code 1, the smallest
 /// positive value. kSigned says which map `codec` is (codec.is_signed), so that pass 2 compiles
-/// only its own sign handling; encode8 below reads it from the codec.
+/// only its own sign handling; encode8 below reads it from the codec. The host's block step runs
+/// the same pieces (guess_entry8, guessed8, rounds_up8, code8_as) with the table reads gathered.
 template <bool kSigned>
 HALFSTEP_HD inline std::uint8_t encode8_as(const Codec8& codec, float x, bool stochastic, std::uint32_t random, bool positive) {
   const float y = x < 0.0f ? -x : x;
   const int e = guess_entry8(x);
   int p;
   if (stochastic) {
-    const Guess8 g = codec.floor[e];
-    p = g.index + (y >= g.next ? 1 : 0);  // the floor: the entry holds at most one magnitude past its guess
-    const Step8 s = codec.step[p];        // gap is +inf above 1: never up
-    // u = (r + 1/2)·2^-16, r uniform in [0, 2^16), made exactly as 1 + u in fp32's fraction bits
-    // less 1: P(u·gap < y - lo) = (y - lo) / gap.
-    const float u = float_of(0x3F800040u | (random & 0xFFFFu) << 7) - 1.0f;
-    p += y - s.lo > s.gap * u ? 1 : 0;
+    p = guessed8(codec.floor[e], y);  // the floor: the entry holds at most one magnitude past its guess
+    p += rounds_up8(codec.step[p], y, random);
   } else {
-    const Guess8 g = codec.nearest[e];
-    p = g.index + (y >= g.next ? 1 : 0);  // the entry holds at most one threshold past its guess
+    p = guessed8(codec.nearest[e], y);  // the entry holds at most one threshold past its guess
   }
-  // Selects, no branch: the host's loops of it vectorise.
-  p = positive & (p == 0) ? 1 : p;
-  if constexpr (!kSigned) {
-    return static_cast<std::uint8_t>(p);
-  } else {
-    const int negative = kSignedZero8 - (p < kSignedZero8 ? p : kSignedZero8);
-    return static_cast<std::uint8_t>(x < 0.0f ? negative : kSignedZero8 + p);
-  }
+  return code8_as<kSigned>(p, x, positive);
 }
 HALFSTEP_HD inline std::uint8_t encode8(const Codec8& codec, float x, bool stochastic, std::uint32_t random, bool positive) {
   return codec.is_signed ? encode8_as<true>(codec, x, stochastic, random, positive)

@@ -13,6 +13,7 @@
 // the kernels fuse), exact conversions, and integer sums.
 #include "host_passes.hpp"
 
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -206,6 +207,25 @@ struct Avx2Ops {
   HALFSTEP_SIMD_OP D fmsub(D a, D b, D c) { return _mm256_fmsub_pd(a, b, c); }
   HALFSTEP_SIMD_OP void store(std::uint32_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
   HALFSTEP_SIMD_OP void dstore(double* p, D a) { _mm256_storeu_pd(p, a); }
+  // The block step's table reads (pointers in and out, no vectors: callable from code compiled
+  // for any instruction set).
+  static void decode8(const float* map, const std::uint8_t* codes, int n, float* out) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+      _mm256_storeu_ps(out + i, _mm256_i32gather_ps(map, index, 4));
+    }
+    for (; i < n; ++i) out[i] = map[codes[i]];
+  }
+  static void gather64(const void* table, const std::int32_t* index, int n, std::uint64_t* out) {
+    const auto* const entries = static_cast<const long long*>(table);
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const __m128i at = _mm_loadu_si128(reinterpret_cast<const __m128i*>(index + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_i32gather_epi64(entries, at, 8));
+    }
+    for (; i < n; ++i) std::memcpy(&out[i], static_cast<const unsigned char*>(table) + 8 * index[i], 8);
+  }
 };
 #define HALFSTEP_SIMD_OPS Avx2Ops
 #define HALFSTEP_SIMD_MEASURE measure_avx2
@@ -245,6 +265,22 @@ struct Avx512Ops {
   HALFSTEP_SIMD_OP D fmsub(D a, D b, D c) { return _mm512_fmsub_pd(a, b, c); }
   HALFSTEP_SIMD_OP void store(std::uint32_t* p, I a) { _mm512_storeu_si512(p, a); }
   HALFSTEP_SIMD_OP void dstore(double* p, D a) { _mm512_storeu_pd(p, a); }
+  static void decode8(const float* map, const std::uint8_t* codes, int n, float* out) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+      _mm512_storeu_ps(out + i, _mm512_i32gather_ps(index, map, 4));
+    }
+    for (; i < n; ++i) out[i] = map[codes[i]];
+  }
+  static void gather64(const void* table, const std::int32_t* index, int n, std::uint64_t* out) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(index + i));
+      _mm512_storeu_si512(out + i, _mm512_i32gather_epi64(at, table, 8));
+    }
+    for (; i < n; ++i) std::memcpy(&out[i], static_cast<const unsigned char*>(table) + 8 * index[i], 8);
+  }
 };
 #define HALFSTEP_SIMD_OPS Avx512Ops
 #define HALFSTEP_SIMD_MEASURE measure_avx512
@@ -437,19 +473,118 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
   }
 }
 
-/// Pass 2 over the blocks of a tensor with block8 moments that start in the chunk (the last may
-/// run past its end: pieces hold whole blocks), a block at a time with update_block8, the host's
-/// mirror of the kernel's warp step, bit for bit.
-template <DType kGrad, class Master, bool kDraw>
-inline std::uint64_t apply_blocks(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
+// The block step of 8-bit moments: update_block8 (block8.hpp) split into loops, one per stage,
+// over the block's elements, so that each vectorises: the moments' decode and the encodes' table
+// reads are gathers (Ops::decode8, Ops::gather64: AVX2 or AVX-512 gathers, plain reads in the
+// baseline), and everything between them is arithmetic on arrays in L1. The same functions of the
+// same values as update_block8 (the same adamw_update, master codec, guess_entry8, guessed8,
+// rounds_up8 and code8_as), so the same bits; the host tests and the emulated device check it.
+
+/// The low and high 32 bits of a table entry read by gather64 (Guess8: next, index; Step8: lo, gap).
+inline float entry_low(std::uint64_t e) { return float_of(static_cast<std::uint32_t>(e)); }
+inline std::uint32_t entry_high(std::uint64_t e) { return static_cast<std::uint32_t>(e >> 32); }
+static_assert(sizeof(Guess8) == 8 && offsetof(Guess8, next) == 0 && offsetof(Guess8, index) == 4 &&
+                  sizeof(Step8) == 8 && offsetof(Step8, lo) == 0 && offsetof(Step8, gap) == 4,
+              "gather64 reads a table entry as one 64-bit word: its first field low, its second high");
+
+/// The codes of the n values x (finite: the block applies) of one block and its scale, as
+/// encode_block8 computes them from `largest`, the largest |x| pattern: to nearest, or with
+/// kStochastic from bits 16 and up of random[i]; kUnsigned values that are positive never take
+/// code 0.
+template <bool kSigned, bool kStochastic, class Ops>
+inline float encode_block8_host(const Codec8& codec, const float* x, int n, std::uint32_t largest,
+                                const std::uint32_t* random, std::uint8_t* codes) {
+  const float scale = scale8(float_of(largest));
+  const float inverse = inverse8(scale);
+  float scaled[kBlock8], y[kBlock8];
+  std::int32_t index[kBlock8];
+  std::uint64_t entry[kBlock8];
+  for (int i = 0; i < n; ++i) {
+    scaled[i] = x[i] * inverse;
+    y[i] = scaled[i] < 0.0f ? -scaled[i] : scaled[i];
+    index[i] = guess_entry8(scaled[i]);
+  }
+  Ops::gather64(kStochastic ? static_cast<const void*>(codec.floor) : static_cast<const void*>(codec.nearest), index, n,
+                entry);
+  for (int i = 0; i < n; ++i) {
+    index[i] = guessed8(Guess8{entry_low(entry[i]), static_cast<std::int32_t>(entry_high(entry[i]))}, y[i]);
+  }
+  if constexpr (kStochastic) {
+    Ops::gather64(codec.step, index, n, entry);
+    for (int i = 0; i < n; ++i) {
+      index[i] += rounds_up8(Step8{entry_low(entry[i]), float_of(entry_high(entry[i]))}, y[i], random[i] >> 16);
+    }
+  }
+  for (int i = 0; i < n; ++i) codes[i] = code8_as<kSigned>(index[i], scaled[i], !kSigned & (x[i] > 0.0f));
+  return scale;
+}
+
+/// One block's step: its n elements from element `at` of the piece (`start` in the whole tensor),
+/// updated in place; returns true, changing nothing, if the block is held.
+template <DType kGrad, class Master, bool kDraw, class Ops>
+inline bool step_block8(const HostPass2& a, const TensorDesc& tensor, std::int64_t at, std::int64_t start, int n,
+                        std::int64_t s, std::uint64_t key, const Decision& d, const GroupConsts& k) {
   using PS = typename Master::Stored;
+  PS* __restrict const ps = Master::kStored ? static_cast<PS*>(tensor.master) + at : nullptr;
+  const bool with_model = tensor.model != nullptr;
+  std::uint16_t* __restrict const model = with_model ? static_cast<std::uint16_t*>(tensor.model) + at : nullptr;
+  std::uint8_t* __restrict const m_codes = static_cast<std::uint8_t*>(tensor.exp_avg) + at;
+  std::uint8_t* __restrict const v_codes = static_cast<std::uint8_t*>(tensor.exp_avg_sq) + at;
+  const float m_scale = tensor.exp_avg_scale[s], v_scale = tensor.exp_avg_sq_scale[s];
+  const Codec8& m_codec = *a.exp_avg_codec;
+  const Codec8& v_codec = *a.exp_avg_sq_codec;
+  float m[kBlock8], root[kBlock8];
+  Ops::decode8(m_codec.map.value, m_codes, n, m);
+  Ops::decode8(v_codec.map.value, v_codes, n, root);
+  PS ps_new[kBlock8];
+  std::uint16_t model_new[kBlock8];
+  std::uint32_t random[kBlock8];
+  std::uint32_t m_largest = 0, root_largest = 0;
+  int ok = 1;  // an int, not a bool: the compiler vectorises an int reduction
+  for (int i = 0; i < n; ++i) {
+    // update_element8, its moments' map values read above
+    const PS stored = Master::kStored ? ps[i] : PS{};
+    const std::uint16_t weight = Master::kReadsModel || with_model ? model[i] : std::uint16_t{0};
+    const std::uint32_t r = kDraw ? element_bits(key, start + i) : 0u;
+    float p = Master::decode(stored, weight);
+    float mi = m[i] * m_scale;
+    const float ri = root[i] * v_scale;
+    float v = ri * ri;
+    adamw_update(p, mi, v, unscale(grad_value<kGrad>(tensor.grad, at + i), d), k);
+    const float root_i = sqrtf(v);
+    const std::uint32_t random_w = kDraw && Master::kRounds ? weight_bits(r) : 0u;
+    ok &= static_cast<int>(Master::encode(p, with_model, kDraw, random_w, ps_new[i], model_new[i]) & finite32(mi) &
+                           finite32(v));
+    m[i] = mi;
+    root[i] = root_i;
+    random[i] = r;
+    // encode_block8's largest magnitudes, as patterns
+    const std::uint32_t m_bits = bits_of(mi) & 0x7FFFFFFFu, root_bits = bits_of(root_i) & 0x7FFFFFFFu;
+    m_largest = m_bits > m_largest ? m_bits : m_largest;
+    root_largest = root_bits > root_largest ? root_bits : root_largest;
+  }
+  if (ok == 0) return true;
+  std::uint8_t mc[kBlock8], vc[kBlock8];
+  // exp_avg to nearest; sqrt(exp_avg_sq) with the state's rounding, never to 0 while positive
+  const float ms = encode_block8_host<true, false, Ops>(m_codec, m, n, m_largest, random, mc);
+  const float vs = encode_block8_host<false, kDraw, Ops>(v_codec, root, n, root_largest, random, vc);
+  for (int i = 0; i < n; ++i) {
+    if constexpr (Master::kStored) ps[i] = ps_new[i];
+    if (with_model) model[i] = model_new[i];
+    m_codes[i] = mc[i];
+    v_codes[i] = vc[i];
+  }
+  tensor.exp_avg_scale[s] = ms;
+  tensor.exp_avg_sq_scale[s] = vs;
+  return false;
+}
+
+/// Pass 2 over the blocks of a tensor with block8 moments that start in the chunk (the last may
+/// run past its end: pieces hold whole blocks), a block at a time.
+template <DType kGrad, class Master, bool kDraw, class Ops>
+inline std::uint64_t apply_blocks(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
   const Block8Geometry& geo = tensor.blocks;
   const std::int64_t b_end = geo.first_block_from(tensor.key_offset + chunk.begin + chunk.len);
-  auto* const master = static_cast<PS*>(tensor.master);
-  auto* const model = static_cast<std::uint16_t*>(tensor.model);
-  auto* const m_codes = static_cast<std::uint8_t*>(tensor.exp_avg);
-  auto* const v_codes = static_cast<std::uint8_t*>(tensor.exp_avg_sq);
-  const bool with_model = model != nullptr;
   const Decision d = a.decision;
   const GroupConsts k = a.consts[tensor.group];
   const std::uint64_t key = kDraw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
@@ -457,17 +592,8 @@ inline std::uint64_t apply_blocks(const HostPass2& a, const TensorDesc& tensor, 
   for (std::int64_t b = geo.first_block_from(tensor.key_offset + chunk.begin); b < b_end; ++b) {
     const std::int64_t start = geo.block_start(b);  // in the whole tensor
     const int n = static_cast<int>(geo.block_size(b));
-    const std::int64_t at = start - tensor.key_offset;  // in the piece
-    float g[kBlock8];
-    std::uint32_t random[kBlock8];
-    for (int j = 0; j < n; ++j) {
-      g[j] = unscale(grad_value<kGrad>(tensor.grad, at + j), d);
-      random[j] = kDraw ? element_bits(key, start + j) : 0u;
-    }
-    const std::int64_t s = b - tensor.first_block;
-    if (update_block8<Master, kDraw>(*a.exp_avg_codec, *a.exp_avg_sq_codec, Master::kStored ? master + at : nullptr,
-                                     with_model ? model + at : nullptr, m_codes + at, v_codes + at,
-                                     tensor.exp_avg_scale[s], tensor.exp_avg_sq_scale[s], g, n, with_model, random, k)) {
+    if (step_block8<kGrad, Master, kDraw, Ops>(a, tensor, start - tensor.key_offset, start, n, b - tensor.first_block,
+                                               key, d, k)) {
       held += static_cast<std::uint64_t>(n);
     }
   }
@@ -476,14 +602,14 @@ inline std::uint64_t apply_blocks(const HostPass2& a, const TensorDesc& tensor, 
 
 // -- dispatch over the formats the API offers (as the kernels' launch_apply) ---------------------
 
-template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
+template <DType kGrad, DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV, class Ops>
 inline std::uint64_t apply_one(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
   const bool stochastic = a.state.rounding == Rounding::stochastic;
   if constexpr (kM == MomentFormat::block8) {  // a tensor that keeps wide moments: fp32
     using W = Formats<kModel, kMaster, MomentFormat::f32, MomentFormat::f32>;
     if (tensor.quantized != 0) {
-      return stochastic ? apply_blocks<kGrad, typename W::Master, true>(a, tensor, chunk)
-                        : apply_blocks<kGrad, typename W::Master, false>(a, tensor, chunk);
+      return stochastic ? apply_blocks<kGrad, typename W::Master, true, Ops>(a, tensor, chunk)
+                        : apply_blocks<kGrad, typename W::Master, false, Ops>(a, tensor, chunk);
     }
     if constexpr (W::kNarrow) {
       return stochastic ? apply_elements<kGrad, W, true>(a, tensor, chunk) : apply_elements<kGrad, W, false>(a, tensor, chunk);
@@ -500,29 +626,29 @@ inline std::uint64_t apply_one(const HostPass2& a, const TensorDesc& tensor, con
   }
 }
 
-template <DType kGrad, DType kModel, MasterFormat kMaster>
+template <DType kGrad, DType kModel, MasterFormat kMaster, class Ops>
 inline std::uint64_t apply_moments(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
   using MF = MomentFormat;
   const StateFormat& s = a.state;
-  if (s.exp_avg == MF::block8) return apply_one<kGrad, kModel, kMaster, MF::block8, MF::block8>(a, tensor, chunk);
+  if (s.exp_avg == MF::block8) return apply_one<kGrad, kModel, kMaster, MF::block8, MF::block8, Ops>(a, tensor, chunk);
   if (s.exp_avg == MF::bf16) {
-    return s.exp_avg_sq == MF::bf16 ? apply_one<kGrad, kModel, kMaster, MF::bf16, MF::bf16>(a, tensor, chunk)
-                                    : apply_one<kGrad, kModel, kMaster, MF::bf16, MF::f32>(a, tensor, chunk);
+    return s.exp_avg_sq == MF::bf16 ? apply_one<kGrad, kModel, kMaster, MF::bf16, MF::bf16, Ops>(a, tensor, chunk)
+                                    : apply_one<kGrad, kModel, kMaster, MF::bf16, MF::f32, Ops>(a, tensor, chunk);
   }
-  return s.exp_avg_sq == MF::bf16 ? apply_one<kGrad, kModel, kMaster, MF::f32, MF::bf16>(a, tensor, chunk)
-                                  : apply_one<kGrad, kModel, kMaster, MF::f32, MF::f32>(a, tensor, chunk);
+  return s.exp_avg_sq == MF::bf16 ? apply_one<kGrad, kModel, kMaster, MF::f32, MF::bf16, Ops>(a, tensor, chunk)
+                                  : apply_one<kGrad, kModel, kMaster, MF::f32, MF::f32, Ops>(a, tensor, chunk);
 }
 
-template <DType kGrad>
+template <DType kGrad, class Ops>
 inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
   if (a.model_dtype == DType::bf16) {
     if (a.state.master == MasterFormat::bf16_remainder) {
-      return apply_moments<kGrad, DType::bf16, MasterFormat::bf16_remainder>(a, tensor, chunk);
+      return apply_moments<kGrad, DType::bf16, MasterFormat::bf16_remainder, Ops>(a, tensor, chunk);
     }
-    if (a.state.master == MasterFormat::none) return apply_moments<kGrad, DType::bf16, MasterFormat::none>(a, tensor, chunk);
-    return apply_moments<kGrad, DType::bf16, MasterFormat::f32>(a, tensor, chunk);
+    if (a.state.master == MasterFormat::none) return apply_moments<kGrad, DType::bf16, MasterFormat::none, Ops>(a, tensor, chunk);
+    return apply_moments<kGrad, DType::bf16, MasterFormat::f32, Ops>(a, tensor, chunk);
   }
-  return apply_moments<kGrad, DType::f16, MasterFormat::f32>(a, tensor, chunk);
+  return apply_moments<kGrad, DType::f16, MasterFormat::f32, Ops>(a, tensor, chunk);
 }
 
 // The entry points of each variant, one per gradient format, so that each is a function of its
@@ -547,13 +673,13 @@ inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, co
     NAME##_measure_f16(a, t, c, out, spill, spilled);                                                         \
   }                                                                                                           \
   ATTRIBUTES std::uint64_t NAME##_apply_f16(const HostPass2& a, const TensorDesc& t, const ChunkDesc& c) {   \
-    return apply_grad<DType::f16>(a, t, c);                                                                   \
+    return apply_grad<DType::f16, NAME##_ops>(a, t, c);                                                       \
   }                                                                                                           \
   ATTRIBUTES std::uint64_t NAME##_apply_bf16(const HostPass2& a, const TensorDesc& t, const ChunkDesc& c) {  \
-    return apply_grad<DType::bf16>(a, t, c);                                                                  \
+    return apply_grad<DType::bf16, NAME##_ops>(a, t, c);                                                      \
   }                                                                                                           \
   ATTRIBUTES std::uint64_t NAME##_apply_f32(const HostPass2& a, const TensorDesc& t, const ChunkDesc& c) {   \
-    return apply_grad<DType::f32>(a, t, c);                                                                   \
+    return apply_grad<DType::f32, NAME##_ops>(a, t, c);                                                       \
   }                                                                                                           \
   std::uint64_t NAME##_apply(const HostPass2& a, const TensorDesc& t, const ChunkDesc& c) {                  \
     if (a.grad_dtype == DType::f32) return NAME##_apply_f32(a, t, c);                                        \
@@ -563,6 +689,12 @@ inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, co
 
 struct BaselineOps {
   static constexpr int kLanes = 0;  // the portable loops
+  static void decode8(const float* map, const std::uint8_t* codes, int n, float* out) {
+    for (int i = 0; i < n; ++i) out[i] = map[codes[i]];
+  }
+  static void gather64(const void* table, const std::int32_t* index, int n, std::uint64_t* out) {
+    for (int i = 0; i < n; ++i) std::memcpy(&out[i], static_cast<const unsigned char*>(table) + 8 * index[i], 8);
+  }
 };
 using baseline_ops = BaselineOps;
 HALFSTEP_HOST_VARIANT(baseline, __attribute__((flatten)))

@@ -2,7 +2,9 @@
 """Reads the generated code of the host backend's passes (src/host_passes.cpp's object) and fails
 unless the compiler vectorised them: each AVX2 entry point's code must hold 256-bit vector
 arithmetic and each AVX-512 entry point's 512-bit arithmetic — pass 2 (apply) packed-single fused
-multiply-adds, square roots and divisions, pass 1 (measure) packed-double fused multiply-adds —
+multiply-adds, square roots and divisions, and the gathers of the 8-bit block step (vgatherdps
+decoding codes through a code table, vpgatherdq fetching the encoder's table entries); pass 1
+(measure) packed-double fused multiply-adds —
 and the baseline entry points none of AVX's instructions (they run on any x86-64). Skipped
 (exit 77) where the library has no vector variants (not x86-64) or objdump is missing.
 
@@ -47,7 +49,8 @@ def main():
                 name = next((n for n in entries if re.search(r"\b%s_%s_%s\b" % (isa, kind, fmt), n)), None)
                 body = entries.get(name, [])
                 wide = sum(reg in i for i in body)
-                need = ([r"vfmadd\w*ps.*" + reg, r"vsqrtps.*" + reg, r"vdivps.*" + reg] if kind == "apply"
+                need = ([r"vfmadd\w*ps.*" + reg, r"vsqrtps.*" + reg, r"vdivps.*" + reg,
+                         r"vgatherdps.*" + reg, r"vpgatherdq.*" + reg] if kind == "apply"
                         else [r"vfmadd\w*pd.*" + reg])
                 missing = [p for p in need if not any(re.search(p, i) for i in body)]
                 print("%s, pass %s, %s gradients: %d instructions, %d on %s registers%s" % (
