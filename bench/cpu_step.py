@@ -3,7 +3,8 @@
 check + exact norm + clip + AdamW + model copy, fused) against PyTorch's CPU pipelines, side by side
 in one run on the same machine, with the machine's copy bandwidth measured in the same run.
 
-Rows, for one parameter tensor of N elements (1M to 100M) in fp32 (the autocast recipe: fp32
+Rows, for one parameter tensor of N elements (1M to 100M; N/1000 rows of 1000, a weight matrix's
+shape: 8-bit moments quantize blocks of rows, and a one-dimensional tensor would keep fp32 moments) in fp32 (the autocast recipe: fp32
 parameters and gradients) and bf16, on 1 thread and on all of them:
 - halfstep: FusedAdamW(max_grad_norm=1.0); fp32 parameters are their own masters, bf16 ones get
   fp32 masters and moments; and with 8-bit moments (exp_avg_dtype=exp_avg_sq_dtype=torch.uint8),
@@ -49,19 +50,35 @@ def copy_ms(torch, nbytes, repeats):
     return median_ms(lambda: dst.copy_(src), repeats)
 
 
+ROW = 1000  # elements in a row of the benchmark's parameter (every size is a multiple)
+
+
+def parameter(torch, n, dtype):
+    """A weight matrix of n elements (n / ROW rows) and its gradient."""
+    p = torch.nn.Parameter(torch.randn(n // ROW, ROW, dtype=torch.float32).mul_(0.02).to(dtype))
+    p.grad = torch.randn(n // ROW, ROW, dtype=torch.float32).mul_(1e-3).to(dtype)
+    return p
+
+
 def halfstep_ms(torch, n, dtype, repeats, threads, **kw):
     from halfstep.torch import FusedAdamW
-    p = torch.nn.Parameter(torch.randn(n, dtype=torch.float32).mul_(0.02).to(dtype))
-    p.grad = torch.randn(n, dtype=torch.float32).mul_(1e-3).to(dtype)
+    p = parameter(torch, n, dtype)
     opt = FusedAdamW([p], lr=1e-4, weight_decay=0.01, max_grad_norm=1.0, threads=threads, **kw)
     ms = median_ms(opt.step, repeats)
     assert opt.last_report()["outcome"] == "applied", opt.last_report()
+    # The row times what it claims: 8-bit moments held as codes and block scales, and no master
+    # where none was asked for.
+    state = opt.state[p]
+    if kw.get("exp_avg_dtype") == torch.uint8:
+        assert state["exp_avg"].dtype == torch.uint8 and "exp_avg_scale" in state, sorted(state)
+        assert state["exp_avg_sq"].dtype == torch.uint8 and "exp_avg_sq_scale" in state, sorted(state)
+    if "master_weight_dtype" in kw and kw["master_weight_dtype"] is None:
+        assert "master_weight" not in state, sorted(state)
     return ms
 
 
 def torch_ms(torch, n, dtype, repeats, fused, recipe=False):
-    p = torch.nn.Parameter(torch.randn(n, dtype=torch.float32).mul_(0.02).to(dtype))
-    p.grad = torch.randn(n, dtype=torch.float32).mul_(1e-3).to(dtype)
+    p = parameter(torch, n, dtype)
     opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, fused=fused, foreach=not fused)
     if recipe:
         scaler = torch.amp.GradScaler("cpu")
@@ -141,6 +158,8 @@ def main():
     sys.path.insert(0, os.path.join(HERE, "..", "python"))
     import halfstep
     sizes = [int(float(s)) for s in args.sizes.split(",")]
+    if any(n < ROW or n % ROW for n in sizes):
+        sys.exit("--sizes: each size must be a positive multiple of %d (the parameter's rows)" % ROW)
     thread_counts = sorted({int(t) for t in args.threads.split(",")})
     cpu = "unknown CPU"
     try:
