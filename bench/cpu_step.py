@@ -8,8 +8,11 @@ shape: 8-bit moments quantize blocks of rows, and a one-dimensional tensor would
 parameters and gradients) and bf16, on 1 thread and on all of them:
 - halfstep: FusedAdamW(max_grad_norm=1.0); fp32 parameters are their own masters, bf16 ones get
   fp32 masters and moments; and with 8-bit moments (exp_avg_dtype=exp_avg_sq_dtype=torch.uint8),
-  with an fp32 master and without one (bf16);
-- torch fused: clip_grad_norm_ + AdamW(fused=True) (on bf16 parameters torch keeps no master);
+  with an fp32 master and without one (bf16); and, bf16 parameters with bf16 moments and no master,
+  the state torch keeps for bf16 parameters (halfstep rounds it stochastically, torch to nearest);
+- torch fused: clip_grad_norm_ + AdamW(fused=True) (on bf16 parameters torch keeps no master, and
+  bf16 moments: half the bytes of the bf16 row's fp32 master and moments, the same as the bf16
+  row without a master);
 - torch foreach: clip_grad_norm_ + AdamW(foreach=True);
 - torch fp16 recipe (fp32 parameters): GradScaler("cpu").unscale_ + clip_grad_norm_ + step + update;
 - copy: a STREAM-style copy (dst.copy_(src), torch's own parallel copy) of the bytes halfstep's
@@ -69,6 +72,8 @@ def halfstep_ms(torch, n, dtype, repeats, threads, **kw):
     # The row times what it claims: 8-bit moments held as codes and block scales, and no master
     # where none was asked for.
     state = opt.state[p]
+    if kw.get("exp_avg_dtype") in (torch.uint8, torch.bfloat16):
+        assert state["exp_avg"].dtype == kw["exp_avg_dtype"], sorted(state)
     if kw.get("exp_avg_dtype") == torch.uint8:
         assert state["exp_avg"].dtype == torch.uint8 and "exp_avg_scale" in state, sorted(state)
         assert state["exp_avg_sq"].dtype == torch.uint8 and "exp_avg_sq_scale" in state, sorted(state)
@@ -170,24 +175,28 @@ def main():
     results = {"torch": torch.__version__, "cpu": "%s, %d threads" % (cpu, os.cpu_count() or 1), "rows": [],
                "scaling": {}}
     kinds = [
-        ("fp32", torch.float32, {}, dict(dtype="float32")),
-        ("bf16", torch.bfloat16, {}, dict(dtype="bfloat16")),
+        # label, parameter dtype, FusedAdamW's state arguments, moved_bytes' format, timed beside torch
+        ("fp32", torch.float32, {}, dict(dtype="float32"), True),
+        ("bf16", torch.bfloat16, {}, dict(dtype="bfloat16"), True),
+        ("bf16, no master, bf16 moments", torch.bfloat16,
+         dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, master_weight_dtype=None),
+         dict(dtype="bfloat16", master="none", exp_avg="bf16", exp_avg_sq="bf16"), True),
         ("bf16, 8-bit moments", torch.bfloat16, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
-         dict(dtype="bfloat16", exp_avg="block8", exp_avg_sq="block8")),
+         dict(dtype="bfloat16", exp_avg="block8", exp_avg_sq="block8"), False),
         ("bf16, no master, 8-bit moments", torch.bfloat16,
          dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, master_weight_dtype=None),
-         dict(dtype="bfloat16", master="none", exp_avg="block8", exp_avg_sq="block8")),
+         dict(dtype="bfloat16", master="none", exp_avg="block8", exp_avg_sq="block8"), False),
     ]
     print("%-32s %10s %7s %10s %10s %10s %10s %10s %7s" % ("format", "params", "threads", "halfstep", "torch fused",
                                                            "foreach", "fp16 rec.", "copy", "x copy"))
     for n in sizes:
-        for label, dtype, kw, cfg in kinds:
+        for label, dtype, kw, cfg, beside_torch in kinds:
             moved = moved_bytes(halfstep, **cfg)
             for threads in thread_counts:
                 torch.set_num_threads(threads)
                 row = {"format": label, "parameters": n, "threads": threads, "moved_bytes_per_param": moved}
                 row["halfstep"] = halfstep_ms(torch, n, dtype, args.repeats, threads, **kw)
-                if not kw:  # torch has no lean formats to compare
+                if beside_torch:  # torch has no master-less fp32 state nor 8-bit moments to compare
                     row["torch fused"] = torch_ms(torch, n, dtype, args.repeats, fused=True)
                     row["torch foreach"] = torch_ms(torch, n, dtype, args.repeats, fused=False)
                     if dtype == torch.float32:
@@ -202,7 +211,7 @@ def main():
                     flush=True)
     # The thread scaling of the largest size: every thread count up to the machine's.
     largest = max(sizes)
-    for label, dtype, kw, cfg in kinds[:2]:
+    for label, dtype, kw, cfg, _ in kinds[:2]:
         rows = []
         moved = moved_bytes(halfstep, **cfg)
         for threads in range(1, (os.cpu_count() or 1) + 1):
