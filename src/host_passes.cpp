@@ -163,6 +163,15 @@ inline Measured measure_portable(const Word* words, int n, const SquareSplit& sp
   return r;
 }
 
+// The block step's table reads, element by element: the baseline's, and the vector variants'
+// last few elements.
+void decode8_scalar(const float* map, const std::uint8_t* codes, int n, float* out) {
+  for (int i = 0; i < n; ++i) out[i] = map[codes[i]];
+}
+void gather64_scalar(const void* table, const std::int32_t* index, int n, std::uint64_t* out) {
+  for (int i = 0; i < n; ++i) std::memcpy(&out[i], static_cast<const unsigned char*>(table) + 8 * index[i], 8);
+}
+
 #if HALFSTEP_HOST_X86
 // Pass 1's vector loop is written once (host_measure_simd.inc) over a small set of vector
 // operations and compiled twice, each time inside a `#pragma GCC target` region with that set's
@@ -215,7 +224,7 @@ struct Avx2Ops {
       const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
       _mm256_storeu_ps(out + i, _mm256_i32gather_ps(map, index, 4));
     }
-    for (; i < n; ++i) out[i] = map[codes[i]];
+    decode8_scalar(map, codes + i, n - i, out + i);
   }
   static void gather64(const void* table, const std::int32_t* index, int n, std::uint64_t* out) {
     const auto* const entries = static_cast<const long long*>(table);
@@ -224,7 +233,7 @@ struct Avx2Ops {
       const __m128i at = _mm_loadu_si128(reinterpret_cast<const __m128i*>(index + i));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_i32gather_epi64(entries, at, 8));
     }
-    for (; i < n; ++i) std::memcpy(&out[i], static_cast<const unsigned char*>(table) + 8 * index[i], 8);
+    gather64_scalar(table, index + i, n - i, out + i);
   }
 };
 #define HALFSTEP_SIMD_OPS Avx2Ops
@@ -271,7 +280,7 @@ struct Avx512Ops {
       const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
       _mm512_storeu_ps(out + i, _mm512_i32gather_ps(index, map, 4));
     }
-    for (; i < n; ++i) out[i] = map[codes[i]];
+    decode8_scalar(map, codes + i, n - i, out + i);
   }
   static void gather64(const void* table, const std::int32_t* index, int n, std::uint64_t* out) {
     int i = 0;
@@ -279,7 +288,7 @@ struct Avx512Ops {
       const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(index + i));
       _mm512_storeu_si512(out + i, _mm512_i32gather_epi64(at, table, 8));
     }
-    for (; i < n; ++i) std::memcpy(&out[i], static_cast<const unsigned char*>(table) + 8 * index[i], 8);
+    gather64_scalar(table, index + i, n - i, out + i);
   }
 };
 #define HALFSTEP_SIMD_OPS Avx512Ops
@@ -690,10 +699,10 @@ inline std::uint64_t apply_grad(const HostPass2& a, const TensorDesc& tensor, co
 struct BaselineOps {
   static constexpr int kLanes = 0;  // the portable loops
   static void decode8(const float* map, const std::uint8_t* codes, int n, float* out) {
-    for (int i = 0; i < n; ++i) out[i] = map[codes[i]];
+    decode8_scalar(map, codes, n, out);
   }
   static void gather64(const void* table, const std::int32_t* index, int n, std::uint64_t* out) {
-    for (int i = 0; i < n; ++i) std::memcpy(&out[i], static_cast<const unsigned char*>(table) + 8 * index[i], 8);
+    gather64_scalar(table, index, n, out);
   }
 };
 using baseline_ops = BaselineOps;
