@@ -3,214 +3,20 @@
 // what the kernels run — pass 1 per chunk, the finalize stages (rank_record, decide_record,
 // group_consts), pass 2 per chunk — so it writes the bits the CUDA backend writes, on any number of
 // threads: every chunk is computed alone and every sum is of integers.
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstring>
-#include <functional>
-#include <mutex>
-#include <thread>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include "check.hpp"
 #include "distributed_impl.hpp"
 #include "fused_impl.hpp"
 #include "halfstep/checkpoint.hpp"
 #include "host_passes.hpp"
+#include "host_pool.hpp"
 #include "launch.hpp"
 #include "tensor_table.hpp"
 
 namespace halfstep::detail {
 namespace {
-
-/// IEEE arithmetic for the scope: no flush of subnormal results or inputs to zero, rounding to
-/// nearest (a caller may have set MXCSR otherwise: torch.set_flush_denormal(True) does), restored
-/// on exit.
-class IeeeMode {
- public:
-  IeeeMode() {
-#if defined(__x86_64__)
-    saved_ = _mm_getcsr();
-    _mm_setcsr(saved_ & ~(0x8000u | 0x0040u | 0x6000u));  // FTZ, DAZ, rounding control
-#endif
-  }
-  ~IeeeMode() {
-#if defined(__x86_64__)
-    _mm_setcsr(saved_);
-#endif
-  }
-  IeeeMode(const IeeeMode&) = delete;
-  IeeeMode& operator=(const IeeeMode&) = delete;
-
- private:
-  unsigned saved_ = 0;
-};
-
-/// Threads that run one job at a time over items [0, n): thread w of T takes the contiguous range
-/// [w·n/T, (w+1)·n/T), the caller's thread the first. Workers start at the first job that needs
-/// them and wait for the next; a process forked from one with workers starts its own (the child
-/// has none of the parent's threads: their state is left behind, never touched).
-///
-/// A step runs two jobs a few microseconds apart (pass 1, the decision, pass 2), and a thread put
-/// to sleep on a condition variable takes tens of microseconds to wake: on a step of 10^6
-/// parameters that was most of what a second thread gained. So a worker that finished a job, and
-/// the caller waiting for the workers, first watch for the next event for up to kSpin (pausing
-/// between looks), and only then sleep. The state that decides (the generation, the pending
-/// count) is atomic; the job itself is read under the mutex, and whoever changes what a sleeper
-/// waits for takes the mutex before notifying, so no wake-up is lost.
-class HostPool {
- public:
-  explicit HostPool(int threads) : threads_(threads) {}
-  ~HostPool() { release(); }
-  HostPool(const HostPool&) = delete;
-  HostPool& operator=(const HostPool&) = delete;
-
-  int threads() const { return threads_; }
-
-  void set_threads(int threads) {
-    if (threads == threads_) return;
-    release();
-    threads_ = threads;
-  }
-
-  /// Runs f(begin, end, worker) over the ranges of [0, n), on every thread at once; returns when
-  /// all are done. f must not throw (the passes do not): a worker has no one to hand it to.
-  template <class F>
-  void run(std::int64_t n, F&& f) {
-    const int used = static_cast<int>(std::min<std::int64_t>(threads_, n));
-    if (used <= 1) {
-      IeeeMode ieee;
-      if (n > 0) f(std::int64_t{0}, n, 0);
-      return;
-    }
-    State& s = state();
-    {
-      std::lock_guard<std::mutex> lock(s.mutex);
-      s.job = [&f](std::int64_t b, std::int64_t e, int w) { f(b, e, w); };
-      s.items = n;
-      s.used = used;
-      s.pending.store(used - 1, std::memory_order_relaxed);
-      s.generation.fetch_add(1, std::memory_order_release);
-    }
-    s.start.notify_all();
-    {
-      IeeeMode ieee;
-      f(std::int64_t{0}, n / used, 0);
-    }
-    const auto done = [&s] { return s.pending.load(std::memory_order_acquire) == 0; };
-    spin_until(done);
-    std::unique_lock<std::mutex> lock(s.mutex);
-    s.finished.wait(lock, done);
-    s.job = nullptr;
-  }
-
- private:
-  struct State {
-    pid_t pid;
-    std::mutex mutex;
-    std::condition_variable start, finished;
-    std::function<void(std::int64_t, std::int64_t, int)> job;  // these two under the mutex
-    std::int64_t items = 0;
-    int used = 0;
-    std::atomic<int> pending{0};                // workers still on the job
-    std::atomic<std::uint64_t> generation{0};   // jobs started
-    std::atomic<bool> quit{false};
-    std::vector<std::thread> workers;
-  };
-
-  /// How long a thread watches for the next event before it sleeps.
-  static constexpr std::chrono::microseconds kSpin{100};
-
-  /// Returns when ready() holds or kSpin has passed (the clock read every 64 looks).
-  template <class Ready>
-  static void spin_until(const Ready& ready) {
-    const auto until = std::chrono::steady_clock::now() + kSpin;
-    for (unsigned k = 1; !ready(); ++k) {
-#if defined(__x86_64__)
-      _mm_pause();
-#endif
-      if (k % 64 == 0 && std::chrono::steady_clock::now() >= until) return;
-    }
-  }
-
-  State& state() {
-    if (state_ != nullptr && state_->pid != ::getpid()) release();  // forked: the parent's workers are not here
-    if (state_ == nullptr) {
-      auto* s = new State();
-      s->pid = ::getpid();
-      for (int w = 1; w < threads_; ++w) s->workers.emplace_back([s, w] { work(*s, w); });
-      state_ = s;
-    }
-    return *state_;
-  }
-
-  /// Stops this process's workers and frees their state. A forked child's inherited state is not
-  /// the child's to stop or free (its mutex may be held by a thread the child does not have): it is
-  /// kept reachable for the life of the process instead.
-  void release() {
-    if (state_ == nullptr) return;
-    if (state_->pid == ::getpid()) {
-      stop(*state_);
-      delete state_;
-    } else {
-      static std::mutex kept;
-      std::lock_guard<std::mutex> lock(kept);
-      inherited_states().push_back(state_);
-    }
-    state_ = nullptr;
-  }
-
-  static std::vector<State*>& inherited_states() {
-    static std::vector<State*> states;
-    return states;
-  }
-
-  static void work(State& s, int w) {
-    std::uint64_t seen = 0;
-    const auto next = [&] { return s.quit.load(std::memory_order_acquire) || s.generation.load(std::memory_order_acquire) != seen; };
-    for (;;) {
-      std::int64_t begin = 0, end = 0;
-      std::function<void(std::int64_t, std::int64_t, int)> job;
-      spin_until(next);
-      {
-        std::unique_lock<std::mutex> lock(s.mutex);
-        s.start.wait(lock, next);
-        if (s.quit.load(std::memory_order_relaxed)) return;
-        seen = s.generation.load(std::memory_order_relaxed);
-        if (w >= s.used) continue;
-        begin = s.items * w / s.used;
-        end = s.items * (w + 1) / s.used;
-        job = s.job;
-      }
-      {
-        IeeeMode ieee;
-        job(begin, end, w);
-      }
-      if (s.pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        std::lock_guard<std::mutex> lock(s.mutex);  // the caller may be between its look and its sleep
-        s.finished.notify_one();
-      }
-    }
-  }
-
-  static void stop(State& s) {
-    {
-      std::lock_guard<std::mutex> lock(s.mutex);
-      s.quit.store(true, std::memory_order_release);
-    }
-    s.start.notify_all();
-    for (std::thread& t : s.workers) t.join();
-  }
-
-  int threads_;
-  State* state_ = nullptr;
-};
 
 class HostImpl final : public FusedAdamW::Impl {
  public:
@@ -432,7 +238,7 @@ class HostImpl final : public FusedAdamW::Impl {
         passes_.measure(args, table_[static_cast<std::size_t>(chunk.tensor)], chunk, partials_[static_cast<std::size_t>(c)],
                         spill, any);
       }
-      spilled[static_cast<std::size_t>(w)] = any ? 1 : 0;
+      if (any) spilled[static_cast<std::size_t>(w)] = 1;
     });
     // The reduce stage: integers only, so neither the threads nor the order change a bit.
     unsigned long long digit[kPartialDigits] = {};
@@ -470,7 +276,7 @@ class HostImpl final : public FusedAdamW::Impl {
         if (tensor.grad == nullptr) continue;  // no gradient for this tensor in this step: left alone
         h += passes_.apply(args, tensor, chunk);
       }
-      held[static_cast<std::size_t>(w)] = h;
+      held[static_cast<std::size_t>(w)] += h;
     });
     std::uint64_t total = 0;
     for (std::uint64_t h : held) total += h;

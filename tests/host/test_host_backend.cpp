@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +20,7 @@
 #include "halfstep/portable_math.hpp"
 #include "halfstep/state.hpp"
 #include "host_passes.hpp"
+#include "host_pool.hpp"
 #include "state_codec.hpp"
 #include "step_math.hpp"
 #include "tensor_table.hpp"
@@ -297,6 +300,55 @@ TEST_CASE("host backend: the same bits on 1 to 4 threads, and set_threads refuse
   FusedAdamW ref(b.tensors, c, Backend::reference);
   CHECK_THROWS_WITH(ref.set_threads(2), Catch::Contains("only Backend::host runs its step on host threads"));
   CHECK(ref.threads() == 1);
+}
+
+// The pool's threads take pieces in turn; whatever the thread count, the piece size, or which
+// thread is slow, every item is run exactly once, by a thread the pool has, and all of it is done
+// (and visible to the caller) when run returns.
+TEST_CASE("host pool: every item exactly once on 1 to 4 threads, run after run, and a slow thread takes less", "[host]") {
+  HostPool pool(1);
+  for (const int threads : {1, 3, 2, 4, 1, 2}) {  // set_threads up and down on one pool
+    pool.set_threads(threads);
+    REQUIRE(pool.threads() == threads);
+    for (const std::int64_t n : {0, 1, 2, 3, 7, 8, 31, 64, 100, 1000, 3053}) {
+      for (int rep = 0; rep < 40; ++rep) {
+        std::vector<std::atomic<int>> runs(static_cast<std::size_t>(n));
+        std::vector<int> written(static_cast<std::size_t>(n), 0);  // plain writes: run returns after them
+        std::atomic<int> bad_worker{0}, bad_range{0};
+        pool.run(n, [&](std::int64_t begin, std::int64_t end, int w) {
+          if (w < 0 || w >= threads) bad_worker.fetch_add(1);
+          if (begin < 0 || begin >= end || end > n) bad_range.fetch_add(1);
+          for (std::int64_t i = begin; i < end; ++i) {
+            runs[static_cast<std::size_t>(i)].fetch_add(1);
+            written[static_cast<std::size_t>(i)] = rep + 1;
+          }
+        });
+        REQUIRE(bad_worker.load() == 0);
+        REQUIRE(bad_range.load() == 0);
+        for (std::int64_t i = 0; i < n; ++i) {
+          REQUIRE(runs[static_cast<std::size_t>(i)].load() == 1);
+          REQUIRE(written[static_cast<std::size_t>(i)] == rep + 1);
+        }
+      }
+    }
+  }
+  // A worker held up in its first piece (as one sharing a core with another process's spinning
+  // thread would be) leaves the other pieces to the caller's thread, and the run still ends with
+  // every item done once. Pieces of 1000 / 16 = 62 items: the held-up worker does at most one.
+  pool.set_threads(2);
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<std::atomic<int>> runs(1000);
+    std::atomic<std::int64_t> by_worker{0};
+    pool.run(1000, [&](std::int64_t begin, std::int64_t end, int w) {
+      if (w != 0) {
+        by_worker.fetch_add(end - begin);
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+      for (std::int64_t i = begin; i < end; ++i) runs[static_cast<std::size_t>(i)].fetch_add(1);
+    });
+    for (const auto& r : runs) REQUIRE(r.load() == 1);
+    REQUIRE(by_worker.load() <= 62);
+  }
 }
 
 TEST_CASE("portable logarithms: within 2 ulps of the C library's, exact at powers of two", "[host]") {
