@@ -71,3 +71,20 @@ def median_ms(fn, repeats, warmup=2):
         fn()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def paired_ms(fa, fb, repeats, warmup=2):
+    """Times fa and fb in turns (a b, then b a, and so on: a drift of the machine's speed during
+    the run weighs on both alike), after `warmup` calls of each. Returns the median time of each
+    in ms and the median of the ratios a/b of the pairs (a pair is the two calls next to each
+    other, so a slow second slows both of them)."""
+    for _ in range(warmup):
+        fa()
+        fb()
+    ta, tb = [], []
+    for r in range(repeats):
+        for fn, times in ((fa, ta), (fb, tb)) if r % 2 == 0 else ((fb, tb), (fa, ta)):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ta), statistics.median(tb), statistics.median(a / b for a, b in zip(ta, tb))

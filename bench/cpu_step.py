@@ -19,12 +19,15 @@ parameters and gradients) and bf16, on 1 thread and on all of them:
   step must move (state_bytes: pass 1 reads the gradients, pass 2 reads them and the state and
   writes the state and the model copy), the time that traffic takes at this machine's bandwidth.
 
-Each time is the median of --repeats steps after two warm-up steps. Writes RESULTS_DIR/cpu_step.json
+Each time is the median of --repeats steps after two warm-up steps. halfstep and torch's fused
+pipeline run in turns, step by step (benchlib.paired_ms), so that the machine's changing speed (a
+shared host's other tenants) weighs on both alike; their ratio is the median of the ratios of the
+steps run side by side. Writes RESULTS_DIR/cpu_step.json
 and, with matplotlib, RESULTS_DIR/cpu_step.png (the thread scaling of the largest size and the
 copy-bandwidth line). --new-user also times the step of a GPT-2-style model of 842,496 parameters
 (transformers' GPT2Config, 4 layers of width 128) on one thread, as a new user would.
 
-usage: bench/cpu_step.py [--sizes 1e6,1e7,1e8] [--threads 1,2] [--repeats 7] [--out DIR]
+usage: bench/cpu_step.py [--sizes 1e6,1e7,1e8] [--threads 1,2] [--repeats 11] [--out DIR]
                          [--new-user] [--plot-only]
 """
 
@@ -63,26 +66,37 @@ def parameter(torch, n, dtype):
     return p
 
 
-def halfstep_ms(torch, n, dtype, repeats, threads, **kw):
+def halfstep_step(torch, n, dtype, threads, **kw):
+    """halfstep's step on a new parameter, and a check to call after timing it."""
     from halfstep.torch import FusedAdamW
     p = parameter(torch, n, dtype)
     opt = FusedAdamW([p], lr=1e-4, weight_decay=0.01, max_grad_norm=1.0, threads=threads, **kw)
-    ms = median_ms(opt.step, repeats)
-    assert opt.last_report()["outcome"] == "applied", opt.last_report()
-    # The row times what it claims: 8-bit moments held as codes and block scales, and no master
-    # where none was asked for.
-    state = opt.state[p]
-    if kw.get("exp_avg_dtype") in (torch.uint8, torch.bfloat16):
-        assert state["exp_avg"].dtype == kw["exp_avg_dtype"], sorted(state)
-    if kw.get("exp_avg_dtype") == torch.uint8:
-        assert state["exp_avg"].dtype == torch.uint8 and "exp_avg_scale" in state, sorted(state)
-        assert state["exp_avg_sq"].dtype == torch.uint8 and "exp_avg_sq_scale" in state, sorted(state)
-    if "master_weight_dtype" in kw and kw["master_weight_dtype"] is None:
-        assert "master_weight" not in state, sorted(state)
+
+    def check():
+        assert opt.last_report()["outcome"] == "applied", opt.last_report()
+        # The row times what it claims: 8-bit moments held as codes and block scales, and no master
+        # where none was asked for.
+        state = opt.state[p]
+        if kw.get("exp_avg_dtype") in (torch.uint8, torch.bfloat16):
+            assert state["exp_avg"].dtype == kw["exp_avg_dtype"], sorted(state)
+        if kw.get("exp_avg_dtype") == torch.uint8:
+            assert state["exp_avg"].dtype == torch.uint8 and "exp_avg_scale" in state, sorted(state)
+            assert state["exp_avg_sq"].dtype == torch.uint8 and "exp_avg_sq_scale" in state, sorted(state)
+        if "master_weight_dtype" in kw and kw["master_weight_dtype"] is None:
+            assert "master_weight" not in state, sorted(state)
+    return opt.step, check
+
+
+def halfstep_ms(torch, n, dtype, repeats, threads, **kw):
+    step, check = halfstep_step(torch, n, dtype, threads, **kw)
+    ms = median_ms(step, repeats)
+    check()
     return ms
 
 
-def torch_ms(torch, n, dtype, repeats, fused, recipe=False):
+def torch_step(torch, n, dtype, fused, recipe=False):
+    """torch's pipeline on a new parameter: clip_grad_norm_ and AdamW(fused or foreach), and with
+    `recipe` GradScaler's unscale_, step and update around them."""
     p = parameter(torch, n, dtype)
     opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, fused=fused, foreach=not fused)
     if recipe:
@@ -98,7 +112,11 @@ def torch_ms(torch, n, dtype, repeats, fused, recipe=False):
         def step():
             torch.nn.utils.clip_grad_norm_([p], 1.0)
             opt.step()
-    return median_ms(step, repeats)
+    return step
+
+
+def torch_ms(torch, n, dtype, repeats, fused, recipe=False):
+    return median_ms(torch_step(torch, n, dtype, fused, recipe), repeats)
 
 
 def new_user(torch, repeats):
@@ -154,7 +172,7 @@ def main():
     def extra(ap):
         ap.add_argument("--sizes", default="1e6,1e7,1e8", help="parameters per run (comma-separated)")
         ap.add_argument("--threads", default="1,%d" % (os.cpu_count() or 1), help="thread counts (comma-separated)")
-        ap.add_argument("--repeats", type=int, default=7)
+        ap.add_argument("--repeats", type=int, default=11)
         ap.add_argument("--new-user", action="store_true", help="also time a 842k-parameter GPT-2-style model's step")
     args = benchlib.arguments(__doc__, "cpu_step", 0, extra)
     if benchlib.redraw(args, plot):
@@ -187,25 +205,32 @@ def main():
          dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, master_weight_dtype=None),
          dict(dtype="bfloat16", master="none", exp_avg="block8", exp_avg_sq="block8"), False),
     ]
-    print("%-32s %10s %7s %10s %10s %10s %10s %10s %7s" % ("format", "params", "threads", "halfstep", "torch fused",
-                                                           "foreach", "fp16 rec.", "copy", "x copy"))
+    print("%-32s %10s %7s %10s %10s %7s %10s %10s %10s %7s" % ("format", "params", "threads", "halfstep", "torch fused",
+                                                                "ratio", "foreach", "fp16 rec.", "copy", "x copy"))
     for n in sizes:
         for label, dtype, kw, cfg, beside_torch in kinds:
             moved = moved_bytes(halfstep, **cfg)
             for threads in thread_counts:
                 torch.set_num_threads(threads)
                 row = {"format": label, "parameters": n, "threads": threads, "moved_bytes_per_param": moved}
-                row["halfstep"] = halfstep_ms(torch, n, dtype, args.repeats, threads, **kw)
                 if beside_torch:  # torch has no master-less fp32 state nor 8-bit moments to compare
-                    row["torch fused"] = torch_ms(torch, n, dtype, args.repeats, fused=True)
+                    # halfstep and torch's fused pipeline in turns, each on its own parameter
+                    step, check = halfstep_step(torch, n, dtype, threads, **kw)
+                    row["halfstep"], row["torch fused"], row["halfstep / torch fused"] = benchlib.paired_ms(
+                        step, torch_step(torch, n, dtype, fused=True), args.repeats)
+                    check()
+                    del step, check
                     row["torch foreach"] = torch_ms(torch, n, dtype, args.repeats, fused=False)
                     if dtype == torch.float32:
                         row["torch fp16 recipe"] = torch_ms(torch, n, dtype, args.repeats, fused=True, recipe=True)
+                else:
+                    row["halfstep"] = halfstep_ms(torch, n, dtype, args.repeats, threads, **kw)
                 row["copy"] = copy_ms(torch, moved * n, args.repeats)
                 row["x copy"] = row["halfstep"] / row["copy"]
                 results["rows"].append(row)
-                print("%-32s %10d %7d %10.2f %10s %10s %10s %10.2f %7.2f" % (
+                print("%-32s %10d %7d %10.2f %10s %7s %10s %10s %10.2f %7.2f" % (
                     label, n, threads, row["halfstep"], "%.2f" % row["torch fused"] if "torch fused" in row else "-",
+                    "%.2f" % row["halfstep / torch fused"] if "torch fused" in row else "-",
                     "%.2f" % row["torch foreach"] if "torch foreach" in row else "-",
                     "%.2f" % row["torch fp16 recipe"] if "torch fp16 recipe" in row else "-", row["copy"], row["x copy"]),
                     flush=True)
