@@ -2,7 +2,7 @@
 // (IeeeMode). A header of its own so that the host tests can drive the pool directly.
 #pragma once
 
-#include <unistd.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -124,7 +124,7 @@ class HostPool {
 
  private:
   struct State {
-    pid_t pid;
+    std::uint64_t process;  // process_epoch() when made (another value: a parent process's state)
     std::mutex mutex;
     std::condition_variable start, finished;
     std::function<void(std::int64_t, std::int64_t, int)> job;  // these five under the mutex
@@ -170,12 +170,29 @@ class HostPool {
     }
   }
 
+  /// Which process this is: a count of the forks this process descends from, since the first
+  /// pool was made (a child's handler counts each fork). Not the process id: a grandchild may be
+  /// given the id of a grandparent that has exited.
+  static std::uint64_t process_epoch() { return forks().load(std::memory_order_relaxed); }
+  static std::atomic<std::uint64_t>& forks() {
+    static std::atomic<std::uint64_t> count{0};
+    return count;
+  }
+
   State& state() {
-    if (state_ != nullptr && state_->pid != ::getpid()) release();  // forked: the parent's workers are not here
+    static const int registered = ::pthread_atfork(nullptr, nullptr, [] { forks().fetch_add(1, std::memory_order_relaxed); });
+    (void)registered;
+    if (state_ != nullptr && state_->process != process_epoch()) release();  // forked: the parent's workers are not here
     if (state_ == nullptr) {
       auto* s = new State();
-      s->pid = ::getpid();
-      for (int w = 1; w < threads_; ++w) s->workers.emplace_back([s, w] { work(*s, w); });
+      s->process = process_epoch();
+      try {
+        for (int w = 1; w < threads_; ++w) s->workers.emplace_back([s, w] { work(*s, w); });
+      } catch (...) {  // a thread the system would not start: stop those that did, and say so
+        stop(*s);
+        delete s;
+        throw;
+      }
       state_ = s;
     }
     return *state_;
@@ -186,7 +203,7 @@ class HostPool {
   /// kept reachable for the life of the process instead.
   void release() {
     if (state_ == nullptr) return;
-    if (state_->pid == ::getpid()) {
+    if (state_->process == process_epoch()) {
       stop(*state_);
       delete state_;
     } else {

@@ -16,6 +16,9 @@
 #include <thread>
 #include <vector>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "halfstep/fused_adamw.hpp"
 #include "halfstep/portable_math.hpp"
 #include "halfstep/state.hpp"
@@ -349,6 +352,59 @@ TEST_CASE("host pool: every item exactly once on 1 to 4 threads, run after run, 
     for (const auto& r : runs) REQUIRE(r.load() == 1);
     REQUIRE(by_worker.load() <= 62);
   }
+}
+
+// A forked process has none of its parent's threads: its pool leaves the parent's state alone
+// and starts workers of its own, and so does a child of the child.
+TEST_CASE("host pool: a forked child, and its child, run jobs on workers of their own", "[host]") {
+  HostPool pool(2);
+  const auto runs_each_once = [&pool](std::int64_t n) {
+    std::vector<std::atomic<int>> runs(static_cast<std::size_t>(n));
+    pool.run(n, [&](std::int64_t begin, std::int64_t end, int) {
+      for (std::int64_t i = begin; i < end; ++i) runs[static_cast<std::size_t>(i)].fetch_add(1);
+    });
+    return std::all_of(runs.begin(), runs.end(), [](const std::atomic<int>& r) { return r.load() == 1; });
+  };
+  // A job of two pieces whose first, on the caller's thread, waits (up to 10 s) for a worker to
+  // take the second: true when the pool has a worker of its own that runs.
+  const auto a_worker_runs = [&pool] {
+    std::atomic<bool> worker{false};
+    pool.run(2, [&](std::int64_t, std::int64_t, int w) {
+      if (w != 0) {
+        worker.store(true);
+        return;
+      }
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!worker.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    });
+    return worker.load();
+  };
+  const auto exited_well = [](pid_t pid) {
+    int status = 0;
+    return ::waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  };
+  REQUIRE(runs_each_once(1000));
+  REQUIRE(a_worker_runs());
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::alarm(60);  // a child that hangs dies, and the parent sees it fail
+    bool ok = runs_each_once(1000) && a_worker_runs();
+    pool.set_threads(3);  // stops this process's workers, never the parent's (which are not here)
+    ok = ok && runs_each_once(1000);
+    const pid_t grandchild = ::fork();
+    if (grandchild == 0) {
+      ::alarm(60);
+      const bool first = runs_each_once(1000) && a_worker_runs();
+      pool.set_threads(2);
+      ::_exit(first && runs_each_once(1000) && runs_each_once(7) ? 0 : 1);
+    }
+    ok = ok && grandchild > 0 && exited_well(grandchild) && runs_each_once(3053);
+    ::_exit(ok ? 0 : 1);
+  }
+  REQUIRE(exited_well(child));
+  REQUIRE(runs_each_once(1000));  // and the parent's pool runs on
+  REQUIRE(a_worker_runs());
 }
 
 TEST_CASE("portable logarithms: within 2 ulps of the C library's, exact at powers of two", "[host]") {
