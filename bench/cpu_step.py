@@ -234,16 +234,22 @@ def main():
                     "%.2f" % row["torch foreach"] if "torch foreach" in row else "-",
                     "%.2f" % row["torch fp16 recipe"] if "torch fp16 recipe" in row else "-", row["copy"], row["x copy"]),
                     flush=True)
-    # The thread scaling of the largest size: every thread count up to the machine's.
+    # The thread scaling of the largest size: every thread count up to the machine's, halfstep and
+    # torch's fused pipeline in turns as in the table.
     largest = max(sizes)
     for label, dtype, kw, cfg, _ in kinds[:2]:
         rows = []
         moved = moved_bytes(halfstep, **cfg)
         for threads in range(1, (os.cpu_count() or 1) + 1):
             torch.set_num_threads(threads)
-            rows.append({"threads": threads, "halfstep": halfstep_ms(torch, largest, dtype, args.repeats, threads, **kw),
-                         "torch fused": torch_ms(torch, largest, dtype, args.repeats, fused=True),
-                         "copy": copy_ms(torch, moved * largest, args.repeats)})
+            step, check = halfstep_step(torch, largest, dtype, threads, **kw)
+            row = {"threads": threads}
+            row["halfstep"], row["torch fused"], row["halfstep / torch fused"] = benchlib.paired_ms(
+                step, torch_step(torch, largest, dtype, fused=True), args.repeats)
+            check()
+            del step, check
+            row["copy"] = copy_ms(torch, moved * largest, args.repeats)
+            rows.append(row)
         results["scaling"]["%s, %.0e parameters" % (label, largest)] = rows
     if args.new_user:
         results["new_user"] = new_user(torch, max(args.repeats, 21))
