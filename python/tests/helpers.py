@@ -7,6 +7,8 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 import torch
 
@@ -15,20 +17,36 @@ U = 2.0 ** -24  # fp32's unit roundoff
 
 def run_workers(script, argvs, timeout):
     """Runs one process of the worker script per argument list (one per rank) and waits for all;
-    fails the test if one hangs (all are killed) or exits with an error, showing its output."""
+    fails the test if one exits with an error (the others are stopped at once: they would wait for
+    it at their next collective) or if they are not all done within `timeout` seconds, showing
+    every rank's output."""
     here = os.path.dirname(os.path.abspath(__file__))
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in argvs]  # files, not pipes: nothing blocks on a full pipe
     procs = [subprocess.Popen([sys.executable, os.path.join(here, script)] + [str(a) for a in argv],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for argv in argvs]
-    logs = []
+                              stdout=log, stderr=subprocess.STDOUT, text=True) for argv, log in zip(argvs, logs)]
+    deadline = time.monotonic() + timeout
+    failed, hung = None, False
+    while failed is None and any(p.poll() is None for p in procs):
+        failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        hung = failed is None and time.monotonic() > deadline
+        if hung:
+            break
+        time.sleep(0.05)
     for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung: " + "\n".join(logs))
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, "rank %d of %d failed:\n%s" % (rank, len(procs), logs[rank])
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    shown = "\n".join("--- rank %d (exit status %s):\n%s" % (r, p.returncode, t)
+                       for r, (p, t) in enumerate(zip(procs, texts)))
+    assert not hung, "a rank hung (not all were done within %d s):\n%s" % (timeout, shown)
+    if failed is None:
+        failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+    assert failed is None, "rank %d of %d failed:\n%s" % (failed, len(procs), shown)
 
 
 def halfstep_entry(state_dict):
@@ -58,8 +76,13 @@ def leave_process_group():
     unwinding through the work's noexcept destructor calls std::terminate. Seen in about 2% of
     two-process exits on a loaded 2-core machine (core dumps: ~AsyncAllgatherWork in
     ProcessGroupGloo::runLoop during Py_FinalizeEx), with or without destroy_process_group. The
-    workers leave without finalizing the interpreter, so the exit status is the tests' own."""
+    workers leave without finalizing the interpreter, so the exit status is the tests' own.
+
+    The barrier first: a rank whose work needs no collective (a constructor refused on every
+    rank) could otherwise close its sockets while another rank's gloo was still connecting its
+    full mesh, and that rank's init_process_group failed ("Connection closed by peer")."""
     import torch.distributed as dist
+    dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
