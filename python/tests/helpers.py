@@ -25,13 +25,15 @@ def run_workers(script, argvs, timeout):
     procs = [subprocess.Popen([sys.executable, os.path.join(here, script)] + [str(a) for a in argv],
                               stdout=log, stderr=subprocess.STDOUT, text=True) for argv, log in zip(argvs, logs)]
     deadline = time.monotonic() + timeout
-    failed, hung = None, False
-    while failed is None and any(p.poll() is None for p in procs):
-        failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-        hung = failed is None and time.monotonic() > deadline
-        if hung:
-            break
+
+    def first_failed():
+        return next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+
+    while first_failed() is None and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
+    running = any(p.poll() is None for p in procs)
+    failed = first_failed()  # after `running` (a rank that ends between them is seen), before any is killed
+    hung = failed is None and running
     for p in procs:
         if p.poll() is None:
             p.kill()
@@ -44,8 +46,6 @@ def run_workers(script, argvs, timeout):
     shown = "\n".join("--- rank %d (exit status %s):\n%s" % (r, p.returncode, t)
                        for r, (p, t) in enumerate(zip(procs, texts)))
     assert not hung, "a rank hung (not all were done within %d s):\n%s" % (timeout, shown)
-    if failed is None:
-        failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
     assert failed is None, "rank %d of %d failed:\n%s" % (failed, len(procs), shown)
 
 
