@@ -226,8 +226,10 @@ HALFSTEP_HD inline void add_square(const SquareSplit& s, double x, double (&sum)
   }
 }
 
-/// Adds v · 2^shift (v signed, |v| < 2^63, 0 <= shift < 32·kPartialDigits - 64) into the
-/// two's-complement integer of kPartialDigits + 2 base-2^32 digits `d`.
+/// Adds v · 2^shift (v signed, |v| < 2^63, 0 <= shift < 32·(kPartialDigits + 2) - 64) into the
+/// two's-complement integer of kPartialDigits + 2 base-2^32 digits `d` (modulo 2^(32·(kPartialDigits
+/// + 2)): the sign extended above the top digit is dropped, so a total that is non-negative and below
+/// 2^(32·kPartialDigits) comes out exact whatever the order and signs of its terms).
 HALFSTEP_HD inline void add_shifted(std::uint32_t (&d)[kPartialDigits + 2], std::int64_t v, int shift) {
   // v · 2^shift as digits: the 64 bits of v placed at shift, then v's sign extended above.
   const std::uint64_t bits = static_cast<std::uint64_t>(v);
@@ -252,15 +254,23 @@ HALFSTEP_HD inline int split_grid_offset(const SquareSplit& s) {
   return s.unit_log2[s.parts - 1] - kSumUnitLog2;  // >= 0: the grid is a multiple of 2^-298
 }
 
+/// Part sums (integers in units of 2^unit_log2[k], signed; their total is >= 0 and below
+/// 2^(32·kPartialDigits) units of digit 0) as kPartialDigits digits from limb
+/// split_grid_offset(s) / 32. Every unit is at or above the split's grid and less than
+/// 32·(kPartialDigits + 2) - 64 bits above digit 0's (add_shifted).
+HALFSTEP_HD inline void place_units(const SquareSplit& s, int parts, const std::int64_t* part, const int* unit_log2,
+                                    std::uint32_t (&digit)[kPartialDigits]) {
+  std::uint32_t d[kPartialDigits + 2] = {};
+  const int digit0 = s.unit_log2[s.parts - 1] - split_grid_offset(s) % 32;  // log2 of digit 0's unit
+  for (int k = 0; k < parts; ++k) add_shifted(d, part[k], unit_log2[k] - digit0);
+  for (int i = 0; i < kPartialDigits; ++i) digit[i] = d[i];
+}
+
 /// The block's part sums (integers in each part's unit, signed; their total is >= 0) as
 /// kPartialDigits digits from limb split_grid_offset(s) / 32.
 HALFSTEP_HD inline void place_parts(const SquareSplit& s, const std::int64_t (&part)[3],
                                     std::uint32_t (&digit)[kPartialDigits]) {
-  std::uint32_t d[kPartialDigits + 2] = {};
-  const int grid = s.unit_log2[s.parts - 1];
-  const int r = split_grid_offset(s) % 32;
-  for (int k = 0; k < s.parts; ++k) add_shifted(d, part[k], s.unit_log2[k] - grid + r);
-  for (int i = 0; i < kPartialDigits; ++i) digit[i] = d[i];
+  place_units(s, s.parts, part, s.unit_log2, digit);
 }
 
 }  // namespace halfstep::detail

@@ -95,6 +95,8 @@ inline std::int64_t count_of(double y, double magic) {
 struct Measured {
   std::uint32_t max_all = 0, nonfinite = 0, nonzero = 0, subnormal = 0, outside = 0;
   std::int64_t sum[3] = {0, 0, 0};
+  int parts = 0;                  ///< 0: the split's parts; else the sums' units are unit_log2
+  int unit_log2[2] = {0, 0};
 };
 
 /// How far ahead of its loads pass 1 asks for the gradients (bytes). Pass 1 reads one stream with
@@ -216,6 +218,13 @@ struct Avx2Ops {
   HALFSTEP_SIMD_OP D fmsub(D a, D b, D c) { return _mm256_fmsub_pd(a, b, c); }
   HALFSTEP_SIMD_OP void store(std::uint32_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
   HALFSTEP_SIMD_OP void dstore(double* p, D a) { _mm256_storeu_pd(p, a); }
+  HALFSTEP_SIMD_OP I min_u(I a, I b) { return _mm256_min_epu32(a, b); }
+  HALFSTEP_SIMD_OP I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  /// The bits of the lanes' doubles as 64-bit integers, and 64-bit integer lanes.
+  HALFSTEP_SIMD_OP I dbits(D a) { return _mm256_castpd_si256(a); }
+  HALFSTEP_SIMD_OP I add64(I a, I b) { return _mm256_add_epi64(a, b); }
+  HALFSTEP_SIMD_OP I sub64(I a, I b) { return _mm256_sub_epi64(a, b); }
+  HALFSTEP_SIMD_OP void store64(std::int64_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
   // The block step's table reads (pointers in and out, no vectors: callable from code compiled
   // for any instruction set).
   static void decode8(const float* map, const std::uint8_t* codes, int n, float* out) {
@@ -238,7 +247,9 @@ struct Avx2Ops {
 };
 #define HALFSTEP_SIMD_OPS Avx2Ops
 #define HALFSTEP_SIMD_MEASURE measure_avx2
+#define HALFSTEP_SIMD_MEASURE_NEAR measure_near_avx2
 #include "host_measure_simd.inc"
+#undef HALFSTEP_SIMD_MEASURE_NEAR
 #undef HALFSTEP_SIMD_MEASURE
 #undef HALFSTEP_SIMD_OPS
 #pragma GCC pop_options
@@ -274,6 +285,12 @@ struct Avx512Ops {
   HALFSTEP_SIMD_OP D fmsub(D a, D b, D c) { return _mm512_fmsub_pd(a, b, c); }
   HALFSTEP_SIMD_OP void store(std::uint32_t* p, I a) { _mm512_storeu_si512(p, a); }
   HALFSTEP_SIMD_OP void dstore(double* p, D a) { _mm512_storeu_pd(p, a); }
+  HALFSTEP_SIMD_OP I min_u(I a, I b) { return _mm512_min_epu32(a, b); }
+  HALFSTEP_SIMD_OP I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  HALFSTEP_SIMD_OP I dbits(D a) { return _mm512_castpd_si512(a); }
+  HALFSTEP_SIMD_OP I add64(I a, I b) { return _mm512_add_epi64(a, b); }
+  HALFSTEP_SIMD_OP I sub64(I a, I b) { return _mm512_sub_epi64(a, b); }
+  HALFSTEP_SIMD_OP void store64(std::int64_t* p, I a) { _mm512_storeu_si512(p, a); }
   static void decode8(const float* map, const std::uint8_t* codes, int n, float* out) {
     int i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -293,7 +310,9 @@ struct Avx512Ops {
 };
 #define HALFSTEP_SIMD_OPS Avx512Ops
 #define HALFSTEP_SIMD_MEASURE measure_avx512
+#define HALFSTEP_SIMD_MEASURE_NEAR measure_near_avx512
 #include "host_measure_simd.inc"
+#undef HALFSTEP_SIMD_MEASURE_NEAR
 #undef HALFSTEP_SIMD_MEASURE
 #undef HALFSTEP_SIMD_OPS
 #pragma GCC pop_options
@@ -343,7 +362,11 @@ inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const Ch
   out.nonfinite = nonfinite;
   if (!tensor.in_norm) return;  // a tensor outside the norm adds only its inf/NaN count and its maximum
   const std::int64_t part[3] = {s0, s1, s2};
-  place_parts(split, part, out.digit);
+  if (r.parts == 0) {
+    place_parts(split, part, out.digit);
+  } else {
+    place_units(split, r.parts, part, r.unit_log2, out.digit);
+  }
   out.subnormal = subnormal;
   out.zero = static_cast<std::uint32_t>(n) - nonzero;
   if (P::kWindowed && outside != 0) {

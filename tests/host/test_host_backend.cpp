@@ -264,6 +264,140 @@ TEST_CASE("host passes: the baseline, AVX2 and AVX-512 variants compute the same
   }
 }
 
+namespace {
+
+// Σx² of the finite words of a bf16 or f32 chunk, exactly, as normalised limbs: the oracle pass 1's
+// digits and spilled limbs are checked against.
+void exact_limbs(DType grad, const std::vector<std::uint32_t>& words, std::uint64_t (&limbs)[kSumLimbs]) {
+  for (const std::uint32_t w : words) {
+    const std::uint32_t bits = grad == DType::f32 ? w : w << 16;
+    const double x = static_cast<double>(float_of(bits));
+    if (!std::isfinite(x) || x == 0.0) continue;
+    const LimbDeposit d = limb_deposit(x * x);  // exact: at most 48 significant bits
+    for (int k = 0; k < 3 && d.index + k < kSumLimbs; ++k) limbs[d.index + k] += d.digit[k];
+  }
+  limbs_normalize(limbs);
+}
+
+}  // namespace
+
+// Pass 1's vector loops take a quicker way (two parts in biased fp64 sums) on a chunk whose
+// nonzero magnitudes all lie in the window, are normal and span at most 25 binades (f32) or 41
+// (bf16). Chunks at those limits and just past them, at the ends of the formats' ranges, of zeros
+// only, with the largest squares everywhere, with tails shorter than a vector: every variant gives
+// the baseline's bits, and the digits and spilled limbs add up to the exact sum.
+TEST_CASE("host passes: pass 1 on chunks of nearby magnitudes, at and past the limits, is exact in every variant",
+          "[host]") {
+  const std::vector<const HostPasses*> runnable = host_passes_runnable();
+  const HostPasses& base = *runnable.front();
+  std::mt19937_64 rng(2026);
+  struct Case {
+    DType grad;
+    float hint;  // the largest gradient the window is placed for
+  };
+  int cases = 0;
+  for (const Case c : {Case{DType::f32, 400.0f}, Case{DType::f32, 1e-38f}, Case{DType::f32, 3e38f},
+                       Case{DType::bf16, 1.0f}, Case{DType::bf16, 1e-38f}, Case{DType::bf16, 3e38f}}) {
+    const bool f32 = c.grad == DType::f32;
+    const int fraction = f32 ? 23 : 7;
+    const std::uint32_t hint = f32 ? f32_pattern(c.hint) & 0x7FFFFFFFu : (f32_pattern(c.hint) >> 16) & 0x7FFFu;
+    const SquareSplit split = square_split(c.grad, hint);
+    const int e0 = f32 ? split.unit_log2[1] / 2 : (split.unit_log2[1] + 14) / 2;  // the window's lowest binade
+    const int window = f32 ? 46 : 39;
+    const int near_span = 47 - fraction;  // the quicker way's limit: largest binade less smallest
+    // A pattern of binade e (e >= -126) with the given fraction bits and sign.
+    const auto pattern = [&](int e, std::uint32_t frac, bool negative) {
+      const std::uint32_t p = static_cast<std::uint32_t>(e + 127) << fraction | frac;
+      return p | (negative ? (f32 ? 0x80000000u : 0x8000u) : 0u);
+    };
+    const std::uint32_t all_frac = (1u << fraction) - 1u;
+    for (const std::uint32_t normal : {f32_pattern(0x1p-126f), f32_pattern(0x1p-14f)}) {
+      const HostPass1 args{c.grad, split, normal};
+      // The binade range [low, low + span] of each chunk, within the window and the format.
+      const int lowest = e0 < -126 ? -126 : e0, highest = e0 + window - 1 > 127 ? 127 : e0 + window - 1;
+      for (const int span : {0, 1, near_span - 1, near_span, near_span + 1, near_span + 2, window - 1}) {
+        for (const int len : {32768, 32768 - 5, 1, 15, 17, 1000}) {
+          for (const int shape : {0, 1, 2, 3}) {  // 0 random, 1 largest squares, 2 zeros only, 3 window's edges
+            int top = highest, bottom = highest - span;
+            if (bottom < lowest) {
+              bottom = lowest;
+              top = lowest + span > 127 ? 127 : lowest + span;
+            }
+            std::vector<std::uint32_t> words(static_cast<std::size_t>(len));
+            for (auto& w : words) {
+              const bool negative = (rng() & 1u) != 0;
+              if (shape == 2) {
+                w = negative ? (f32 ? 0x80000000u : 0x8000u) : 0u;
+              } else if (rng() % 10 == 0) {
+                w = 0;
+              } else if (shape == 1) {
+                w = pattern(top, all_frac, negative);
+              } else {
+                const int e = bottom + static_cast<int>(rng() % static_cast<std::uint64_t>(top - bottom + 1));
+                w = pattern(e, static_cast<std::uint32_t>(rng()) & all_frac, negative);
+              }
+            }
+            if (shape != 2) {  // the range's ends, at the first, middle and last words
+              words.front() = pattern(bottom, 0, false);
+              words[words.size() / 2] = pattern(top, all_frac, true);
+              if (shape == 3) {
+                words.back() = split.low;          // the window's smallest
+                words[words.size() / 3] = split.high - 1u;  // its largest (or the format's)
+              }
+            }
+            std::vector<std::uint32_t> stored = words;
+            std::vector<std::uint16_t> stored16(words.size());
+            for (std::size_t i = 0; i < words.size(); ++i) stored16[i] = static_cast<std::uint16_t>(words[i]);
+            TensorDesc t{};
+            t.grad = f32 ? static_cast<const void*>(stored.data()) : static_cast<const void*>(stored16.data());
+            t.numel = len;
+            t.in_norm = 1;
+            t.grad_vec = 1;
+            const ChunkDesc chunk{0, 0, len};
+            std::uint64_t exact[kSumLimbs] = {};
+            exact_limbs(c.grad, words, exact);
+            std::uint32_t zeros = 0, below = 0, largest = 0;
+            for (const std::uint32_t w : words) {
+              const std::uint32_t mag = w & (f32 ? 0x7FFFFFFFu : 0x7FFFu);
+              zeros += mag == 0 ? 1u : 0u;
+              below += mag != 0 && mag < (f32 ? normal : 0x80u) ? 1u : 0u;
+              largest = mag > largest ? mag : largest;
+            }
+            CAPTURE(dtype_name(c.grad), c.hint, normal, span, len, shape);
+            ChunkPartial want{};
+            std::uint64_t want_spill[kSumLimbs] = {};
+            bool want_spilled = false;
+            base.measure(args, t, chunk, want, want_spill, want_spilled);
+            for (const HostPasses* v : runnable) {
+              CAPTURE(v->isa);
+              ChunkPartial got{};
+              std::uint64_t spill[kSumLimbs] = {};
+              bool spilled = false;
+              v->measure(args, t, chunk, got, spill, spilled);
+              REQUIRE(std::memcmp(&got, &want, sizeof got) == 0);
+              REQUIRE(spilled == want_spilled);
+              REQUIRE(std::equal(spill, spill + kSumLimbs, want_spill));
+              // The digits, at their limb, and the spilled limbs add up to the exact sum.
+              std::uint64_t total[kSumLimbs] = {};
+              for (int k = 0; k < kSumLimbs; ++k) total[k] = spill[k];
+              const int at = split_grid_offset(split) / 32;
+              for (int k = 0; k < kPartialDigits && at + k < kSumLimbs; ++k) total[at + k] += got.digit[k];
+              limbs_normalize(total);
+              REQUIRE(std::equal(total, total + kSumLimbs, exact));
+              REQUIRE(got.zero == zeros);
+              REQUIRE(got.subnormal == below);
+              REQUIRE(got.max_bits == largest);
+              REQUIRE(got.nonfinite == 0u);
+            }
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  REQUIRE(cases == 6 * 2 * 7 * 6 * 4);
+}
+
 TEST_CASE("host backend: the same bits on 1 to 4 threads, and set_threads refuses by name", "[host][fused]") {
   StepConfig c;
   c.grad_dtype = DType::bf16;
