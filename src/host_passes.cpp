@@ -186,7 +186,7 @@ void gather64_scalar(const void* table, const std::int32_t* index, int n, std::u
 #define HALFSTEP_SIMD_OP __attribute__((always_inline)) static inline
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 struct Avx2Ops {
   static constexpr int kLanes = 8;
   using I = __m256i;
@@ -225,6 +225,33 @@ struct Avx2Ops {
   HALFSTEP_SIMD_OP I add64(I a, I b) { return _mm256_add_epi64(a, b); }
   HALFSTEP_SIMD_OP I sub64(I a, I b) { return _mm256_sub_epi64(a, b); }
   HALFSTEP_SIMD_OP void store64(std::int64_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
+  // Pass 2's tile loop (host_apply_simd.inc): fp32 lanes, and the gradient and model formats.
+  using F = __m256;
+  HALFSTEP_SIMD_OP F fload(const float* p) { return _mm256_loadu_ps(p); }
+  HALFSTEP_SIMD_OP void fstore(float* p, F a) { _mm256_storeu_ps(p, a); }
+  HALFSTEP_SIMD_OP F fset1(float v) { return _mm256_set1_ps(v); }
+  HALFSTEP_SIMD_OP F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  HALFSTEP_SIMD_OP F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a·b + c rounded once
+  HALFSTEP_SIMD_OP F div(F a, F b) { return _mm256_div_ps(a, b); }
+  HALFSTEP_SIMD_OP F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  HALFSTEP_SIMD_OP F bit_or(F a, F b) { return _mm256_or_ps(a, b); }
+  HALFSTEP_SIMD_OP I bits(F a) { return _mm256_castps_si256(a); }
+  HALFSTEP_SIMD_OP F floats(I a) { return _mm256_castsi256_ps(a); }
+  HALFSTEP_SIMD_OP I shr16(I a) { return _mm256_srli_epi32(a, 16); }
+  HALFSTEP_SIMD_OP I minus_one_where(Mask m, I a) { return _mm256_add_epi32(a, m); }  // m: all ones where it holds
+  HALFSTEP_SIMD_OP bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+  /// binary16 words as fp32 (exact), and fp32 to binary16 to nearest (ties to even).
+  HALFSTEP_SIMD_OP F f16_load(const std::uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  HALFSTEP_SIMD_OP F f16_store(std::uint16_t* p, F a) {  // returns the stored words' values
+    const __m128i h = _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+    return _mm256_cvtph_ps(h);
+  }
+  /// The low 16 bits of each lane (every lane below 2^16).
+  HALFSTEP_SIMD_OP void store16(std::uint16_t* p, I a) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
+  }
   // The block step's table reads (pointers in and out, no vectors: callable from code compiled
   // for any instruction set).
   static void decode8(const float* map, const std::uint8_t* codes, int n, float* out) {
@@ -248,14 +275,17 @@ struct Avx2Ops {
 #define HALFSTEP_SIMD_OPS Avx2Ops
 #define HALFSTEP_SIMD_MEASURE measure_avx2
 #define HALFSTEP_SIMD_MEASURE_NEAR measure_near_avx2
+#define HALFSTEP_SIMD_APPLY apply_tile_avx2
 #include "host_measure_simd.inc"
+#include "host_apply_simd.inc"
+#undef HALFSTEP_SIMD_APPLY
 #undef HALFSTEP_SIMD_MEASURE_NEAR
 #undef HALFSTEP_SIMD_MEASURE
 #undef HALFSTEP_SIMD_OPS
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 struct Avx512Ops {
   static constexpr int kLanes = 16;
   using I = __m512i;
@@ -291,6 +321,27 @@ struct Avx512Ops {
   HALFSTEP_SIMD_OP I add64(I a, I b) { return _mm512_add_epi64(a, b); }
   HALFSTEP_SIMD_OP I sub64(I a, I b) { return _mm512_sub_epi64(a, b); }
   HALFSTEP_SIMD_OP void store64(std::int64_t* p, I a) { _mm512_storeu_si512(p, a); }
+  using F = __m512;
+  HALFSTEP_SIMD_OP F fload(const float* p) { return _mm512_loadu_ps(p); }
+  HALFSTEP_SIMD_OP void fstore(float* p, F a) { _mm512_storeu_ps(p, a); }
+  HALFSTEP_SIMD_OP F fset1(float v) { return _mm512_set1_ps(v); }
+  HALFSTEP_SIMD_OP F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  HALFSTEP_SIMD_OP F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  HALFSTEP_SIMD_OP F div(F a, F b) { return _mm512_div_ps(a, b); }
+  HALFSTEP_SIMD_OP F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  HALFSTEP_SIMD_OP F bit_or(F a, F b) { return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b))); }
+  HALFSTEP_SIMD_OP I bits(F a) { return _mm512_castps_si512(a); }
+  HALFSTEP_SIMD_OP F floats(I a) { return _mm512_castsi512_ps(a); }
+  HALFSTEP_SIMD_OP I shr16(I a) { return _mm512_srli_epi32(a, 16); }
+  HALFSTEP_SIMD_OP I minus_one_where(Mask m, I a) { return _mm512_mask_sub_epi32(a, m, a, _mm512_set1_epi32(1)); }
+  HALFSTEP_SIMD_OP bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+  HALFSTEP_SIMD_OP F f16_load(const std::uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  HALFSTEP_SIMD_OP F f16_store(std::uint16_t* p, F a) {
+    const __m256i h = _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    return _mm512_cvtph_ps(h);
+  }
+  HALFSTEP_SIMD_OP void store16(std::uint16_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a)); }
   static void decode8(const float* map, const std::uint8_t* codes, int n, float* out) {
     int i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -311,7 +362,10 @@ struct Avx512Ops {
 #define HALFSTEP_SIMD_OPS Avx512Ops
 #define HALFSTEP_SIMD_MEASURE measure_avx512
 #define HALFSTEP_SIMD_MEASURE_NEAR measure_near_avx512
+#define HALFSTEP_SIMD_APPLY apply_tile_avx512
 #include "host_measure_simd.inc"
+#include "host_apply_simd.inc"
+#undef HALFSTEP_SIMD_APPLY
 #undef HALFSTEP_SIMD_MEASURE_NEAR
 #undef HALFSTEP_SIMD_MEASURE
 #undef HALFSTEP_SIMD_OPS
@@ -395,7 +449,39 @@ inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const Ch
 /// Elements pass 2 updates at a time (its temporaries stay in L1).
 inline constexpr int kTile = 256;
 
-template <DType kGrad, class F, bool kDraw, bool kWithModel>
+/// Whether F is the default state format (fp32 masters and moments), which an instruction set's
+/// own tile loop takes (host_apply_simd.inc), and the model copy's format there (f32: none).
+template <class F>
+struct DefaultFormat : std::false_type {};
+template <DType kModel>
+struct DefaultFormat<Formats<kModel, MasterFormat::f32, MomentFormat::f32, MomentFormat::f32>> : std::true_type {
+  static constexpr DType kModelWith = kModel;
+};
+
+/// The tile loop of the instruction set of Ops for the default format: the elements it took.
+template <DType kGrad, class F, bool kWithModel, class Ops>
+inline int apply_tile(const void* grad, int n, float* master, float* exp_avg, float* exp_avg_sq, float* ps_old,
+                      float* m_old, float* v_old, std::uint16_t* w_out, const Decision& d, const GroupConsts& k,
+                      bool& held) {
+  held = false;
+#if HALFSTEP_HOST_X86
+  constexpr DType kModel = kWithModel ? DefaultFormat<F>::kModelWith : DType::f32;
+  if constexpr (Ops::kLanes == 8) {
+    return k.classic != 0 ? apply_tile_avx2<kGrad, kModel, true>(grad, n, master, exp_avg, exp_avg_sq, ps_old, m_old,
+                                                                 v_old, w_out, d, k, held)
+                          : apply_tile_avx2<kGrad, kModel, false>(grad, n, master, exp_avg, exp_avg_sq, ps_old, m_old,
+                                                                  v_old, w_out, d, k, held);
+  } else if constexpr (Ops::kLanes == 16) {
+    return k.classic != 0 ? apply_tile_avx512<kGrad, kModel, true>(grad, n, master, exp_avg, exp_avg_sq, ps_old,
+                                                                   m_old, v_old, w_out, d, k, held)
+                          : apply_tile_avx512<kGrad, kModel, false>(grad, n, master, exp_avg, exp_avg_sq, ps_old,
+                                                                    m_old, v_old, w_out, d, k, held);
+  }
+#endif
+  return 0;
+}
+
+template <DType kGrad, class F, bool kDraw, bool kWithModel, class Ops>
 inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
   using PS = typename F::Master::Stored;
   using MS = typename F::M::Stored;
@@ -438,7 +524,16 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
     std::uint16_t w_old[kTile];
     std::uint16_t w_out[kTile];
     std::uint32_t tile_held = 0;
-    for (int j = 0; j < n; ++j) {
+    int j0 = 0;
+    if constexpr (DefaultFormat<F>::value && Ops::kLanes != 0) {
+      bool any = false;
+      j0 = apply_tile<kGrad, F, kWithModel, Ops>(static_cast<const unsigned char*>(grad) +
+                                                     static_cast<std::ptrdiff_t>(t0) * (kGrad == DType::f32 ? 4 : 2),
+                                                 n, master + t0, exp_avg + t0, exp_avg_sq + t0, ps_old, m_old, v_old,
+                                                 w_out, d, k, any);
+      tile_held = any ? 1u : 0u;
+    }
+    for (int j = j0; j < n; ++j) {
       const int i = t0 + j;
       const PS p = F::Master::kStored ? master[i] : PS{};
       const std::uint16_t w = F::Master::kReadsModel ? model[i] : std::uint16_t{0};
@@ -469,7 +564,7 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
       if constexpr (!F::Master::kReadsModel && kWithModel) {
         for (int j = 0; j < n; ++j) model[t0 + j] = w_out[j];
       }
-    } else {  // rare: the held elements' old values back, the others' model copy stored
+    } else {  // rare: the held elements' old values back (and counted), the others' model copy stored
       for (int j = 0; j < n; ++j) {
         const int i = t0 + j;
         PS p_new;
@@ -481,6 +576,7 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
         if (ok) {
           if constexpr (!F::Master::kReadsModel && kWithModel) model[i] = w_out[j];
         } else {
+          ++held;
           if constexpr (F::Master::kStored) master[i] = ps_old[j];
           exp_avg[i] = m_old[j];
           exp_avg_sq[i] = v_old[j];
@@ -488,20 +584,19 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
         }
       }
     }
-    held += tile_held;
   }
   return held;
 }
 
 /// apply_elements with the model copy's presence known to the compiler: without one nothing of it
 /// is computed (fp32 parameters that are their own masters).
-template <DType kGrad, class F, bool kDraw>
+template <DType kGrad, class F, bool kDraw, class Ops>
 inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor, const ChunkDesc& chunk) {
   if constexpr (F::Master::kReadsModel) {
-    return apply_elements<kGrad, F, kDraw, true>(a, tensor, chunk);
+    return apply_elements<kGrad, F, kDraw, true, Ops>(a, tensor, chunk);
   } else {
-    return tensor.model != nullptr ? apply_elements<kGrad, F, kDraw, true>(a, tensor, chunk)
-                                   : apply_elements<kGrad, F, kDraw, false>(a, tensor, chunk);
+    return tensor.model != nullptr ? apply_elements<kGrad, F, kDraw, true, Ops>(a, tensor, chunk)
+                                   : apply_elements<kGrad, F, kDraw, false, Ops>(a, tensor, chunk);
   }
 }
 
@@ -644,16 +739,16 @@ inline std::uint64_t apply_one(const HostPass2& a, const TensorDesc& tensor, con
                         : apply_blocks<kGrad, typename W::Master, false, Ops>(a, tensor, chunk);
     }
     if constexpr (W::kNarrow) {
-      return stochastic ? apply_elements<kGrad, W, true>(a, tensor, chunk) : apply_elements<kGrad, W, false>(a, tensor, chunk);
+      return stochastic ? apply_elements<kGrad, W, true, Ops>(a, tensor, chunk) : apply_elements<kGrad, W, false, Ops>(a, tensor, chunk);
     } else {
-      return apply_elements<kGrad, W, false>(a, tensor, chunk);
+      return apply_elements<kGrad, W, false, Ops>(a, tensor, chunk);
     }
   } else {
     using F = Formats<kModel, kMaster, kM, kV>;
     if constexpr (F::kNarrow) {
-      return stochastic ? apply_elements<kGrad, F, true>(a, tensor, chunk) : apply_elements<kGrad, F, false>(a, tensor, chunk);
+      return stochastic ? apply_elements<kGrad, F, true, Ops>(a, tensor, chunk) : apply_elements<kGrad, F, false, Ops>(a, tensor, chunk);
     } else {
-      return apply_elements<kGrad, F, false>(a, tensor, chunk);
+      return apply_elements<kGrad, F, false, Ops>(a, tensor, chunk);
     }
   }
 }

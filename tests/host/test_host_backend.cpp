@@ -187,8 +187,14 @@ TEST_CASE("host passes: the baseline, AVX2 and AVX-512 variants compute the same
       MF master;
       MoF m, v;
       Rounding rounding;
+      bool model_everywhere = true;  // else every other tensor has no model copy (fp32 parameters)
     };
-    for (const F f : {F{DType::f16, DType::f16, MF::f32, MoF::f32, MoF::f32, Rounding::stochastic},
+    // The default format (fp32 masters and moments) first, with every gradient format and model
+    // copy: the vector variants take it with a tile loop of their own (host_apply_simd.inc).
+    for (const F f : {F{DType::bf16, DType::bf16, MF::f32, MoF::f32, MoF::f32, Rounding::nearest},
+                      F{DType::f32, DType::bf16, MF::f32, MoF::f32, MoF::f32, Rounding::nearest, false},
+                      F{DType::f16, DType::f16, MF::f32, MoF::f32, MoF::f32, Rounding::nearest, false},
+                      F{DType::f16, DType::f16, MF::f32, MoF::f32, MoF::f32, Rounding::stochastic},
                       F{DType::bf16, DType::bf16, MF::f32, MoF::bf16, MoF::bf16, Rounding::stochastic},
                       F{DType::f32, DType::bf16, MF::bf16_remainder, MoF::f32, MoF::bf16, Rounding::nearest},
                       F{DType::bf16, DType::bf16, MF::none, MoF::bf16, MoF::bf16, Rounding::stochastic},
@@ -208,6 +214,20 @@ TEST_CASE("host passes: the baseline, AVX2 and AVX-512 variants compute the same
         c.groups[1].weight_decay = 0.01f;
         std::mt19937_64 rng(7 + static_cast<std::uint64_t>(f.master) * 3 + static_cast<std::uint64_t>(f.m));
         Buffers a = make_buffers(c, rng, with_inf);
+        if (!f.model_everywhere) {
+          for (std::size_t t = 1; t < a.tensors.size(); t += 2) a.tensors[t].model = nullptr;
+        }
+        if (f.master == MF::f32) {  // masters at the model copy's edges: held, or rounded at a tie
+          for (ParamTensor& t : a.tensors) {
+            auto* w = static_cast<float*>(t.master);
+            const std::int64_t n = t.numel;
+            w[0] = 65519.99f;                // an f16 copy just below its overflow
+            w[n / 2] = 65520.0f;             // ... and at it
+            w[n - 1] = 3.40282347e38f;       // a bf16 copy of fp32's largest overflows
+            if (n > 3) w[n - 2] = float_of(0x3F808000u);  // canonical_master's tie: a bf16 copy's low 17 bits
+            if (n > 4) w[1] = -65504.0f;
+          }
+        }
         Buffers b = a;  // the same bytes, in other buffers
         for (std::size_t t = 0; t < b.tensors.size(); ++t) {
           for (int k = 0; k < kSlotCount; ++k) {
