@@ -174,6 +174,52 @@ void gather64_scalar(const void* table, const std::int32_t* index, int n, std::u
   for (int i = 0; i < n; ++i) std::memcpy(&out[i], static_cast<const unsigned char*>(table) + 8 * index[i], 8);
 }
 
+/// A gradient buffer's element i.
+template <DType kGrad>
+inline const void* grad_at(const void* grad, std::int64_t i) {
+  return static_cast<const unsigned char*>(grad) + i * static_cast<std::int64_t>(kGrad == DType::f32 ? 4 : 2);
+}
+
+/// Whether pass 2 of the format F has a tile loop of intrinsics per instruction set
+/// (host_apply_simd.inc): fp32 or bf16 moments, an fp32 master or none (bf16 weights).
+template <class F>
+struct TileFormat : std::false_type {};
+template <DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
+struct TileFormat<Formats<kModel, kMaster, kM, kV>>
+    : std::integral_constant<bool, (kMaster == MasterFormat::f32 || kMaster == MasterFormat::none) &&
+                                       kM != MomentFormat::block8 && kV != MomentFormat::block8> {};
+/// The model copy's format of F.
+template <class F>
+struct ModelOf;
+template <DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
+struct ModelOf<Formats<kModel, kMaster, kM, kV>> : std::integral_constant<DType, kModel> {};
+
+/// One tile of pass 2 for a tile loop: its buffers from its first element, its old values' and
+/// model copies' temporaries, and its draw's tensor key and first element's index in the whole
+/// tensor.
+template <class F>
+struct TileArgs {
+  using PS = typename F::Master::Stored;
+  using MS = typename F::M::Stored;
+  using VS = typename F::V::Stored;
+  const void* grad;
+  PS* master;
+  MS* exp_avg;
+  VS* exp_avg_sq;
+  std::uint16_t* model;
+  PS* ps_old;
+  MS* m_old;
+  VS* v_old;
+  std::uint16_t* w_old;
+  std::uint16_t* w_out;
+  std::uint64_t key;
+  std::int64_t first;
+  /// Whether the indices of the tile's n elements share their upper 32 bits.
+  bool draws_in_one_half(int n) const {
+    return static_cast<std::uint64_t>(first) >> 32 == static_cast<std::uint64_t>(first + n - 1) >> 32;
+  }
+};
+
 #if HALFSTEP_HOST_X86
 // Pass 1's vector loop is written once (host_measure_simd.inc) over a small set of vector
 // operations and compiled twice, each time inside a `#pragma GCC target` region with that set's
@@ -239,6 +285,11 @@ struct Avx2Ops {
   HALFSTEP_SIMD_OP F floats(I a) { return _mm256_castsi256_ps(a); }
   HALFSTEP_SIMD_OP I shr16(I a) { return _mm256_srli_epi32(a, 16); }
   HALFSTEP_SIMD_OP I minus_one_where(Mask m, I a) { return _mm256_add_epi32(a, m); }  // m: all ones where it holds
+  template <int kShift>
+  HALFSTEP_SIMD_OP I shr(I a) { return _mm256_srli_epi32(a, kShift); }
+  HALFSTEP_SIMD_OP I bit_xor(I a, I b) { return _mm256_xor_si256(a, b); }
+  HALFSTEP_SIMD_OP I mul32(I a, I b) { return _mm256_mullo_epi32(a, b); }  // the low 32 bits of the products
+  HALFSTEP_SIMD_OP I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }  // lane l holds l
   HALFSTEP_SIMD_OP bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
   /// binary16 words as fp32 (exact), and fp32 to binary16 to nearest (ties to even).
   HALFSTEP_SIMD_OP F f16_load(const std::uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -334,6 +385,11 @@ struct Avx512Ops {
   HALFSTEP_SIMD_OP F floats(I a) { return _mm512_castsi512_ps(a); }
   HALFSTEP_SIMD_OP I shr16(I a) { return _mm512_srli_epi32(a, 16); }
   HALFSTEP_SIMD_OP I minus_one_where(Mask m, I a) { return _mm512_mask_sub_epi32(a, m, a, _mm512_set1_epi32(1)); }
+  template <int kShift>
+  HALFSTEP_SIMD_OP I shr(I a) { return _mm512_srli_epi32(a, kShift); }
+  HALFSTEP_SIMD_OP I bit_xor(I a, I b) { return _mm512_xor_si512(a, b); }
+  HALFSTEP_SIMD_OP I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  HALFSTEP_SIMD_OP I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
   HALFSTEP_SIMD_OP bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
   HALFSTEP_SIMD_OP F f16_load(const std::uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   HALFSTEP_SIMD_OP F f16_store(std::uint16_t* p, F a) {
@@ -449,34 +505,13 @@ inline void measure_chunk(const HostPass1& a, const TensorDesc& tensor, const Ch
 /// Elements pass 2 updates at a time (its temporaries stay in L1).
 inline constexpr int kTile = 256;
 
-/// Whether F is the default state format (fp32 masters and moments), which an instruction set's
-/// own tile loop takes (host_apply_simd.inc), and the model copy's format there (f32: none).
-template <class F>
-struct DefaultFormat : std::false_type {};
-template <DType kModel>
-struct DefaultFormat<Formats<kModel, MasterFormat::f32, MomentFormat::f32, MomentFormat::f32>> : std::true_type {
-  static constexpr DType kModelWith = kModel;
-};
-
-/// The tile loop of the instruction set of Ops for the default format: the elements it took.
-template <DType kGrad, class F, bool kWithModel, class Ops>
-inline int apply_tile(const void* grad, int n, float* master, float* exp_avg, float* exp_avg_sq, float* ps_old,
-                      float* m_old, float* v_old, std::uint16_t* w_out, const Decision& d, const GroupConsts& k,
-                      bool& held) {
+/// The tile loop of the instruction set of Ops for the format F (TileFormat): the elements it took.
+template <DType kGrad, class F, bool kDraw, bool kWithModel, class Ops>
+inline int apply_tile(const TileArgs<F>& t, int n, const Decision& d, const GroupConsts& k, bool& held) {
   held = false;
 #if HALFSTEP_HOST_X86
-  constexpr DType kModel = kWithModel ? DefaultFormat<F>::kModelWith : DType::f32;
-  if constexpr (Ops::kLanes == 8) {
-    return k.classic != 0 ? apply_tile_avx2<kGrad, kModel, true>(grad, n, master, exp_avg, exp_avg_sq, ps_old, m_old,
-                                                                 v_old, w_out, d, k, held)
-                          : apply_tile_avx2<kGrad, kModel, false>(grad, n, master, exp_avg, exp_avg_sq, ps_old, m_old,
-                                                                  v_old, w_out, d, k, held);
-  } else if constexpr (Ops::kLanes == 16) {
-    return k.classic != 0 ? apply_tile_avx512<kGrad, kModel, true>(grad, n, master, exp_avg, exp_avg_sq, ps_old,
-                                                                   m_old, v_old, w_out, d, k, held)
-                          : apply_tile_avx512<kGrad, kModel, false>(grad, n, master, exp_avg, exp_avg_sq, ps_old,
-                                                                    m_old, v_old, w_out, d, k, held);
-  }
+  if constexpr (Ops::kLanes == 8) return apply_tile_avx2<kGrad, F, kDraw, kWithModel>::run(t, n, d, k, held);
+  if constexpr (Ops::kLanes == 16) return apply_tile_avx512<kGrad, F, kDraw, kWithModel>::run(t, n, d, k, held);
 #endif
   return 0;
 }
@@ -493,7 +528,7 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
   MS* __restrict const exp_avg = static_cast<MS*>(tensor.exp_avg) + chunk.begin;
   VS* __restrict const exp_avg_sq = static_cast<VS*>(tensor.exp_avg_sq) + chunk.begin;
   std::uint16_t* __restrict const model = kWithModel ? static_cast<std::uint16_t*>(tensor.model) + chunk.begin : nullptr;
-  const void* const grad = static_cast<const unsigned char*>(tensor.grad) + chunk.begin * (kGrad == DType::f32 ? 4 : 2);
+  const void* const grad = grad_at<kGrad>(tensor.grad, chunk.begin);
   const Decision d = a.decision;
   const GroupConsts k = a.consts[tensor.group];
   const std::uint64_t key = kDraw ? tensor_key(d.rounding_key, tensor.key_id) : 0;
@@ -523,15 +558,13 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
     VS v_old[kTile];
     std::uint16_t w_old[kTile];
     std::uint16_t w_out[kTile];
-    std::uint32_t tile_held = 0;
+    bool tile_has_held = false;
     int j0 = 0;
-    if constexpr (DefaultFormat<F>::value && Ops::kLanes != 0) {
-      bool any = false;
-      j0 = apply_tile<kGrad, F, kWithModel, Ops>(static_cast<const unsigned char*>(grad) +
-                                                     static_cast<std::ptrdiff_t>(t0) * (kGrad == DType::f32 ? 4 : 2),
-                                                 n, master + t0, exp_avg + t0, exp_avg_sq + t0, ps_old, m_old, v_old,
-                                                 w_out, d, k, any);
-      tile_held = any ? 1u : 0u;
+    if constexpr (TileFormat<F>::value && Ops::kLanes != 0) {
+      const TileArgs<F> t{grad_at<kGrad>(grad, t0), F::Master::kStored ? master + t0 : nullptr, exp_avg + t0,
+                          exp_avg_sq + t0, kWithModel ? model + t0 : nullptr, ps_old, m_old, v_old, w_old, w_out,
+                          key, first + t0};
+      j0 = apply_tile<kGrad, F, kDraw, kWithModel, Ops>(t, n, d, k, tile_has_held);
     }
     for (int j = j0; j < n; ++j) {
       const int i = t0 + j;
@@ -558,9 +591,9 @@ inline std::uint64_t apply_elements(const HostPass2& a, const TensorDesc& tensor
       } else if constexpr (kWithModel) {
         w_out[j] = w_new;
       }
-      tile_held += ok ? 0u : 1u;
+      tile_has_held |= !ok;
     }
-    if (tile_held == 0) {
+    if (!tile_has_held) {
       if constexpr (!F::Master::kReadsModel && kWithModel) {
         for (int j = 0; j < n; ++j) model[t0 + j] = w_out[j];
       }

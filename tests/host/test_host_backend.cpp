@@ -189,13 +189,18 @@ TEST_CASE("host passes: the baseline, AVX2 and AVX-512 variants compute the same
       Rounding rounding;
       bool model_everywhere = true;  // else every other tensor has no model copy (fp32 parameters)
     };
-    // The default format (fp32 masters and moments) first, with every gradient format and model
-    // copy: the vector variants take it with a tile loop of their own (host_apply_simd.inc).
+    // The formats the vector variants take with a tile loop of their own (host_apply_simd.inc:
+    // fp32 or bf16 moments, an fp32 master or none) first, with every gradient format and model
+    // copy, both roundings and moments of two formats; then the others.
     for (const F f : {F{DType::bf16, DType::bf16, MF::f32, MoF::f32, MoF::f32, Rounding::nearest},
                       F{DType::f32, DType::bf16, MF::f32, MoF::f32, MoF::f32, Rounding::nearest, false},
                       F{DType::f16, DType::f16, MF::f32, MoF::f32, MoF::f32, Rounding::nearest, false},
                       F{DType::f16, DType::f16, MF::f32, MoF::f32, MoF::f32, Rounding::stochastic},
                       F{DType::bf16, DType::bf16, MF::f32, MoF::bf16, MoF::bf16, Rounding::stochastic},
+                      F{DType::f16, DType::f16, MF::f32, MoF::bf16, MoF::f32, Rounding::stochastic},
+                      F{DType::f32, DType::bf16, MF::f32, MoF::f32, MoF::bf16, Rounding::nearest, false},
+                      F{DType::f32, DType::bf16, MF::none, MoF::bf16, MoF::bf16, Rounding::nearest},
+                      F{DType::f16, DType::bf16, MF::none, MoF::f32, MoF::bf16, Rounding::stochastic},
                       F{DType::f32, DType::bf16, MF::bf16_remainder, MoF::f32, MoF::bf16, Rounding::nearest},
                       F{DType::bf16, DType::bf16, MF::none, MoF::bf16, MoF::bf16, Rounding::stochastic},
                       F{DType::f16, DType::f16, MF::f32, MoF::block8, MoF::block8, Rounding::stochastic},
@@ -227,6 +232,22 @@ TEST_CASE("host passes: the baseline, AVX2 and AVX-512 variants compute the same
             if (n > 3) w[n - 2] = float_of(0x3F808000u);  // canonical_master's tie: a bf16 copy's low 17 bits
             if (n > 4) w[1] = -65504.0f;
           }
+        }
+        if (f.master == MF::none) {  // weights at bf16's largest: held where they round up to inf
+          for (ParamTensor& t : a.tensors) {
+            auto* w = static_cast<std::uint16_t*>(t.model);
+            const std::int64_t n = t.numel;
+            w[0] = w[n / 2] = w[n - 1] = 0x7F7Fu;
+            if (n > 4) w[1] = 0xFF7Fu;
+          }
+        }
+        if (f.m != MoF::block8) {
+          // Pieces whose indices in the whole tensor cross 2^32 (a tile's draw there takes the
+          // element loop) or lie past it: the random bits of stochastic rounding are theirs.
+          a.tensors[1].offset = (std::int64_t{1} << 32) - 20003;
+          a.tensors[1].whole_numel = a.tensors[1].offset + a.tensors[1].numel;
+          a.tensors[5].offset = (std::int64_t{3} << 32) + 77;
+          a.tensors[5].whole_numel = a.tensors[5].offset + a.tensors[5].numel;
         }
         Buffers b = a;  // the same bytes, in other buffers
         for (std::size_t t = 0; t < b.tensors.size(); ++t) {
