@@ -199,6 +199,7 @@ TEST_CASE("host passes: the baseline, AVX2 and AVX-512 variants compute the same
                       F{DType::bf16, DType::bf16, MF::f32, MoF::bf16, MoF::bf16, Rounding::stochastic},
                       F{DType::f16, DType::f16, MF::f32, MoF::bf16, MoF::f32, Rounding::stochastic},
                       F{DType::f32, DType::bf16, MF::f32, MoF::f32, MoF::bf16, Rounding::nearest, false},
+                      F{DType::f32, DType::bf16, MF::f32, MoF::bf16, MoF::bf16, Rounding::stochastic, false},
                       F{DType::f32, DType::bf16, MF::none, MoF::bf16, MoF::bf16, Rounding::nearest},
                       F{DType::f16, DType::bf16, MF::none, MoF::f32, MoF::bf16, Rounding::stochastic},
                       F{DType::f32, DType::bf16, MF::bf16_remainder, MoF::f32, MoF::bf16, Rounding::nearest},
