@@ -177,22 +177,20 @@ void gather64_scalar(const void* table, const std::int32_t* index, int n, std::u
 /// A gradient buffer's element i.
 template <DType kGrad>
 inline const void* grad_at(const void* grad, std::int64_t i) {
-  return static_cast<const unsigned char*>(grad) + i * static_cast<std::int64_t>(kGrad == DType::f32 ? 4 : 2);
+  return static_cast<const unsigned char*>(grad) + i * static_cast<std::int64_t>(element_size(kGrad));
 }
 
 /// Whether pass 2 of the format F has a tile loop of intrinsics per instruction set
-/// (host_apply_simd.inc): fp32 or bf16 moments, an fp32 master or none (bf16 weights).
+/// (host_apply_simd.inc): fp32 or bf16 moments, an fp32 master or none (bf16 weights); and F's
+/// model copy format.
 template <class F>
 struct TileFormat : std::false_type {};
-template <DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
-struct TileFormat<Formats<kModel, kMaster, kM, kV>>
+template <DType kCopy, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
+struct TileFormat<Formats<kCopy, kMaster, kM, kV>>
     : std::integral_constant<bool, (kMaster == MasterFormat::f32 || kMaster == MasterFormat::none) &&
-                                       kM != MomentFormat::block8 && kV != MomentFormat::block8> {};
-/// The model copy's format of F.
-template <class F>
-struct ModelOf;
-template <DType kModel, MasterFormat kMaster, MomentFormat kM, MomentFormat kV>
-struct ModelOf<Formats<kModel, kMaster, kM, kV>> : std::integral_constant<DType, kModel> {};
+                                       kM != MomentFormat::block8 && kV != MomentFormat::block8> {
+  static constexpr DType kModel = kCopy;
+};
 
 /// One tile of pass 2 for a tile loop: its buffers from its first element, its old values' and
 /// model copies' temporaries, and its draw's tensor key and first element's index in the whole
